@@ -1,0 +1,329 @@
+"""The public API: dispatch by array type to the CUDA kernels or the NumPy backend."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import _interop, _launch, _numpy_backend, _plan
+from ._positions import check_index_contents
+
+_DEBUG = [os.environ.get("CUPY_ROPE_DEBUG", "") not in ("", "0")]
+
+
+def set_debug(enabled: bool) -> None:
+    """Check index contents (``cu_seqlens``, ``start_positions``) against the table on every call.
+
+    Off by default (the check copies the index tensors to the host and so synchronises).
+    Also enabled by the environment variable ``CUPY_ROPE_DEBUG=1``. With it on, a position
+    outside the table, a decreasing ``cu_seqlens`` or an odd context-parallel length raises
+    ``ValueError``; without it such tokens are copied through unrotated (spec 5.4).
+    """
+    _DEBUG[0] = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return _DEBUG[0]
+
+
+def _host_index(a, kind):
+    """Index tensor on the host, for the debug check only."""
+    if a is None:
+        return None
+    if kind == "torch":
+        return a.detach().cpu().numpy()
+    if kind == "cupy":
+        return a.get()
+    return np.asarray(a)
+
+
+class _Args:
+    """The call's arrays: each with its framework kind and descriptor."""
+
+    def __init__(self, **arrays):
+        self.native, self.kinds, self.infos = {}, {}, {}
+        for name, a in arrays.items():
+            if a is not None:
+                kind = _interop.kind_of(a)
+                if kind == "dlpack":
+                    a, kind = _interop.from_dlpack(a)
+                self.native[name], self.kinds[name] = a, kind
+                self.infos[name] = _interop.info(a, kind)
+            else:
+                self.native[name], self.kinds[name], self.infos[name] = None, None, None
+
+    def numpy(self, name):
+        return _interop.to_numpy(self.native[name], self.kinds[name])
+
+
+def _jax_route(x):
+    """JAX arrays go through cupy_rope.jax (XLA allocates; works eagerly and under jit)."""
+    return _interop.kind_of(x) == "jax" and next(iter(x.devices())).platform == "gpu"
+
+
+def _debug_check(args: _Args, pos, lead_shape, table_rows):
+    if _DEBUG[0]:
+        check_index_contents(pos, lead_shape, table_rows,
+                             _host_index(args.native["cu_seqlens"], args.kinds["cu_seqlens"]),
+                             _host_index(args.native["start_positions"], args.kinds["start_positions"]))
+
+
+def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, out,
+          transpose_output_memory, backward: bool, x_name: str):
+    if _jax_route(x):
+        from . import jax as cj
+
+        if out is not None or transpose_output_memory:
+            raise ValueError("cupy_rope: `out`/`transpose_output_memory` are not available for JAX "
+                             "arrays (JAX arrays are immutable)")
+        fn = cj.apply_rope_backward if backward else cj.apply_rope
+        return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
+                  start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+    args = _Args(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions, out=out)
+    xi = args.infos["x"]
+    plan = _plan.resolve_rope(xi, args.infos["freqs"], layout, interleaved, args.infos["cu_seqlens"],
+                              args.infos["start_positions"], cp_size, cp_rank, args.infos["out"],
+                              backward, transpose_output_memory, x_name=x_name)
+    _debug_check(args, plan.pos, tuple(xi.shape[:-2]), plan.table.rows)
+    kind = args.kinds["x"]
+    if xi.device[0] == "cpu":
+        y = np.ascontiguousarray(_numpy_backend.rope(np, plan, args.numpy("x"), args.numpy("freqs"),
+                                                     args.numpy("cu_seqlens"), args.numpy("start_positions")))
+        if out is not None:
+            _interop.write_into(out, args.kinds["out"], y)
+            return out
+        if plan.transpose_output:
+            y = np.ascontiguousarray(y.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
+        return _interop.from_numpy(y, kind)
+    if xi.device[0] != "cuda":
+        raise ValueError(f"cupy_rope: `{x_name}`: expected a CPU or CUDA array, got device {xi.device}")
+    dev = xi.device[1]
+    if out is not None:
+        y = out
+    elif plan.transpose_output:
+        s, b, h, d = plan.shape
+        y = _interop.permuted(_interop.empty(kind, (b, s, h, d), xi.dtype, dev, x), kind, (1, 0, 2, 3))
+    else:
+        y = _interop.empty(kind, plan.shape, xi.dtype, dev, x)
+    if xi.size:
+        yi = _interop.info(y, args.kinds["out"] if out is not None else kind)
+        name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
+                                                args.infos["start_positions"], _launch.sm_count(dev))
+        _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
+    return y
+
+
+def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
+               cp_size=1, cp_rank=0, out=None, transpose_output_memory=False):
+    """Rotary position embedding, forward (TransformerEngine's ``fused_rope_forward``).
+
+    Args:
+        x: ``[s, b, h, d]`` (``"sbhd"``), ``[b, s, h, d]`` (``"bshd"``) or ``[t, h, d]``
+            (``"thd"``); float32, float16 or bfloat16; any strides (0 included). A CuPy array,
+            torch tensor (CUDA or CPU), JAX array, NumPy array, or any ``__dlpack__`` object.
+        freqs: float32 angles in radians, ``[S, 1, 1, d2]`` or ``[S, d2]``; ``d2`` even,
+            ``d2 <= d``; channels ``d2..d-1`` pass through. See :func:`rope_freqs`.
+        layout: ``"sbhd"``, ``"bshd"`` or ``"thd"``.
+        interleaved: GPT-J pairs ``(2k, 2k+1)`` instead of rotate-half ``(i, i + d2/2)``.
+        cu_seqlens: thd only: int32/int64 ``[nseq + 1]`` cumulative (global, for cp: padded)
+            sequence lengths.
+        start_positions: int32/int64 ``[>= b]`` (or ``[>= nseq]``) per-sequence offsets.
+        cp_size, cp_rank: context parallelism (dual-chunk split, spec 5.1).
+        out: optional preallocated output of ``x``'s shape and dtype, any strides; may be
+            ``x`` itself (in place).
+        transpose_output_memory: sbhd only: return an sbhd view over bshd-ordered memory.
+
+    Returns:
+        The rotated array, same type, device, shape and dtype as ``x``; contiguous unless
+        ``out`` or ``transpose_output_memory`` says otherwise. Runs on the caller's current
+        stream without synchronising.
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> freqs = cupy_rope.rope_freqs(64, 128)              # [128, 1, 1, 64] float32
+        >>> x = np.random.rand(128, 2, 8, 64).astype(np.float32)
+        >>> y = cupy_rope.apply_rope(x, freqs, "sbhd")
+        >>> y.shape
+        (128, 2, 8, 64)
+    """
+    return _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, out,
+                 transpose_output_memory, backward=False, x_name="x")
+
+
+def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
+                        start_positions=None, cp_size=1, cp_rank=0, out=None,
+                        transpose_output_memory=False):
+    """Gradient of :func:`apply_rope` with respect to its input (spec section 4).
+
+    ``grad`` is dL/dy with ``x``'s shape (any strides, e.g. the stride-0 gradient of
+    ``y.sum()``); the other arguments must be the forward's. Returns dL/dx, contiguous
+    (or in ``out``).
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> freqs = cupy_rope.rope_freqs(64, 16)
+        >>> g = np.ones((16, 1, 4, 64), np.float32)
+        >>> cupy_rope.apply_rope_backward(g, freqs, "sbhd").shape
+        (16, 1, 4, 64)
+    """
+    return _rope(grad, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                 out, transpose_output_memory, backward=True, x_name="grad")
+
+
+def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved, cu_seqlens,
+         start_positions, cp_size, cp_rank, backward: bool):
+    first = next(iter(arrays.values()))
+    if _jax_route(first):
+        from . import jax as cj
+
+        fn = cj.apply_qkv_rope_backward if backward else cj.apply_qkv_rope
+        return fn(*arrays.values(), q_freqs, k_freqs, split, layout, num_q_heads=num_q_heads,
+                  interleaved=interleaved, cu_seqlens=cu_seqlens, start_positions=start_positions,
+                  cp_size=cp_size, cp_rank=cp_rank)
+    args = _Args(q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
+                 start_positions=start_positions, **arrays)
+    inf = args.infos
+    common = (inf["q_freqs"], inf["k_freqs"], split, layout, num_q_heads, interleaved,
+              inf["cu_seqlens"], inf["start_positions"], cp_size, cp_rank)
+    if backward:
+        plan = _plan.resolve_qkv_backward(inf["dq"], inf["dk"], inf["dv"], *common)
+        ref = "dq"
+    else:
+        plan = _plan.resolve_qkv(inf["qkv"], *common)
+        ref = "qkv"
+    _debug_check(args, plan.pos, plan.lead_shape, min(plan.q_table.rows, plan.k_table.rows))
+    kind, ri = args.kinds[ref], inf[ref]
+    if ri.device[0] == "cpu":
+        fn = _numpy_backend.qkv_backward if backward else _numpy_backend.qkv_forward
+        res = fn(np, plan, *(args.numpy(n) for n in arrays), args.numpy("q_freqs"), args.numpy("k_freqs"),
+                 args.numpy("cu_seqlens"), args.numpy("start_positions"))
+        if backward:
+            return _interop.from_numpy(np.ascontiguousarray(res), kind)
+        return tuple(_interop.from_numpy(np.ascontiguousarray(r), kind) for r in res)
+    dev = ri.device[1]
+    native = args.native[ref]
+    if backward:
+        packed = _interop.empty(kind, plan.packed_shape, ri.dtype, dev, native)
+        pi = _interop.info(packed, kind)
+        qi, ki, vi = inf["dq"], inf["dk"], inf["dv"]
+        result = packed
+    else:
+        q = _interop.empty(kind, plan.q_shape, ri.dtype, dev, native)
+        k = _interop.empty(kind, plan.kv_shape, ri.dtype, dev, native)
+        v = _interop.empty(kind, plan.kv_shape, ri.dtype, dev, native)
+        pi, qi, ki, vi = ri, _interop.info(q, kind), _interop.info(k, kind), _interop.info(v, kind)
+        result = (q, k, v)
+    if pi.size:
+        name, grid, block, params = plan.launch(pi, qi, ki, vi, inf["q_freqs"], inf["k_freqs"],
+                                                inf["cu_seqlens"], inf["start_positions"],
+                                                _launch.sm_count(dev))
+        _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
+    return result
+
+
+def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None,
+                   interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+    """RoPE on a fused QKV projection (TransformerEngine's ``fused_qkv_rope_forward``).
+
+    Args:
+        qkv: ``[s, b, g, (n+2)*d]`` (sbhd), ``[b, s, g, ...]`` (bshd) or ``[t, g, ...]`` (thd),
+            any strides: per KV group ``g``, ``n`` query heads, then one key and one value head
+            of ``d`` channels each.
+        q_freqs, k_freqs: float32 angle tables (as for :func:`apply_rope`), same ``d2``.
+        split: ``(q_size, k_size, v_size)`` = ``(n*d, d, d)`` (TE's ``qkv_split_arg_list``),
+            or give ``num_q_heads`` (= ``g*n``) instead; exactly one of the two.
+        Other arguments as for :func:`apply_rope`.
+
+    Returns:
+        ``(q, k, v)``: ``q`` ``[.., g*n, d]`` rotated with ``q_freqs`` (head ``group*n + r``),
+        ``k`` ``[.., g, d]`` rotated with ``k_freqs``, ``v`` ``[.., g, d]`` a copy; contiguous.
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> f = cupy_rope.rope_freqs(64, 32)
+        >>> qkv = np.random.rand(32, 2, 4, 6 * 64).astype(np.float32)   # 4 groups x 4 q heads
+        >>> q, k, v = cupy_rope.apply_qkv_rope(qkv, f, f, split=(256, 64, 64))
+        >>> q.shape, k.shape
+        ((32, 2, 16, 64), (32, 2, 4, 64))
+    """
+    return _qkv({"qkv": qkv}, q_freqs, k_freqs, split, layout, num_q_heads, interleaved, cu_seqlens,
+                start_positions, cp_size, cp_rank, backward=False)
+
+
+def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", *,
+                            num_q_heads=None, interleaved=False, cu_seqlens=None,
+                            start_positions=None, cp_size=1, cp_rank=0):
+    """Gradient of :func:`apply_qkv_rope`: ``(dq, dk, dv)`` (any strides) -> packed ``dqkv``.
+
+    ``split``/``num_q_heads`` are optional here (the gradients' shapes define them); when given
+    they must match. ``start_positions`` is honoured (TE's backward ignores it).
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> f = cupy_rope.rope_freqs(64, 8)
+        >>> dq, dk, dv = (np.ones((8, 1, h, 64), np.float32) for h in (8, 2, 2))
+        >>> cupy_rope.apply_qkv_rope_backward(dq, dk, dv, f, f).shape
+        (8, 1, 2, 384)
+    """
+    return _qkv({"dq": dq, "dk": dk, "dv": dv}, q_freqs, k_freqs, split, layout, num_q_heads,
+                interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
+
+
+def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleaved=False,
+               seq_len_interpolation_factor=None, pretrained_max_position_embeddings=None, offset=0,
+               like=None):
+    """TransformerEngine's standard angle table (spec section 2), bit-identical in float32.
+
+    Returns ``[max_seq_len, 1, 1, d2]`` float32 with ``d2 = 2*ceil(dim'/2)``,
+    ``dim' = int(dim * rotary_percent)`` (when ``rotary_percent < 1``). Built with NumPy and
+    returned in the array library of ``like`` (NumPy when ``None``; CuPy, torch or JAX
+    arrays put it on the same device).
+
+    Example:
+        >>> import cupy_rope
+        >>> cupy_rope.rope_freqs(128, 4096, base=500000.0).shape
+        (4096, 1, 1, 128)
+    """
+    dim = _plan.check_int("dim", dim, lo=1)
+    max_seq_len = _plan.check_int("max_seq_len", max_seq_len, lo=0)
+    interleaved = _plan.check_bool("interleaved", interleaved)
+    rp = float(rotary_percent)
+    if not 0.0 < rp <= 1.0:
+        raise ValueError(f"cupy_rope: `rotary_percent`: expected 0 < rotary_percent <= 1, got {rotary_percent}")
+    dimp = int(dim * rp) if rp < 1.0 else dim
+    if dimp < 1:
+        raise ValueError(f"cupy_rope: `rotary_percent`: expected int(dim * rotary_percent) >= 1, got {dimp}")
+    f32 = np.float32
+    exps = np.arange(0, dimp, 2, dtype=f32) / f32(dimp)
+    inv_freq = (f32(1.0) / (f32(base) ** exps)).astype(f32)
+    seq = np.arange(max_seq_len, dtype=f32) + f32(offset)
+    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
+    if P is not None and F is not None:
+        if max_seq_len > P * F:
+            seq = seq * f32(1.0 / (max_seq_len / P))
+        else:
+            seq = seq * f32(1.0 / F)
+    f = np.outer(seq, inv_freq).astype(f32)
+    if interleaved:
+        emb = np.stack([f, f], axis=-1).reshape(max_seq_len, -1)
+    else:
+        emb = np.concatenate([f, f], axis=-1)
+    emb = np.ascontiguousarray(emb.reshape(max_seq_len, 1, 1, emb.shape[-1]))
+    if like is None:
+        return emb
+    kind = _interop.kind_of(like)
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(emb).to(like.device)
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.asarray(emb)
+    if kind == "jax":
+        import jax
+
+        return jax.device_put(emb, next(iter(like.devices())))
+    return emb

@@ -1,0 +1,182 @@
+"""Array interop: recognise the caller's framework, describe arrays, allocate outputs there,
+find the caller's current stream, and view CPU arrays as NumPy (all zero-copy).
+
+Frameworks are imported lazily: NumPy is the only hard dependency.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ._plan import ArrayInfo
+
+_TORCH_DTYPES = {}
+
+
+def _torch_dtypes():
+    if not _TORCH_DTYPES:
+        import torch
+
+        _TORCH_DTYPES.update({torch.float32: "float32", torch.float16: "float16",
+                              torch.bfloat16: "bfloat16", torch.int32: "int32", torch.int64: "int64"})
+        _TORCH_DTYPES.update({v: k for k, v in list(_TORCH_DTYPES.items())})
+    return _TORCH_DTYPES
+
+
+def kind_of(a) -> str:
+    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (any other ``__dlpack__`` object)."""
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    mod = type(a).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod == "torch" and "torch" in sys.modules and isinstance(a, sys.modules["torch"].Tensor):
+        return "torch"
+    if mod in ("jax", "jaxlib") and "jax" in sys.modules and isinstance(a, sys.modules["jax"].Array):
+        return "jax"
+    if hasattr(a, "__dlpack__"):
+        return "dlpack"
+    raise TypeError(f"cupy_rope: expected a NumPy, CuPy, torch or JAX array (or any object with "
+                    f"__dlpack__), got {type(a).__module__}.{type(a).__name__}")
+
+
+def _dtype_name(dt) -> str:
+    name = np.dtype(dt).name if not hasattr(dt, "name") else dt.name
+    return str(name)
+
+
+def info(a, kind: str | None = None) -> ArrayInfo | None:
+    """Describe ``a`` (no data access, no synchronisation). ``None`` stays ``None``."""
+    if a is None:
+        return None
+    kind = kind or kind_of(a)
+    if kind == "torch":
+        dt = _torch_dtypes().get(a.dtype, str(a.dtype).replace("torch.", ""))
+        dev = ("cuda", a.device.index) if a.device.type == "cuda" else (a.device.type, 0)
+        return ArrayInfo(tuple(a.shape), tuple(a.stride()), dt, dev, a.data_ptr())
+    if kind == "cupy":
+        isz = a.itemsize
+        return ArrayInfo(a.shape, tuple(s // isz for s in a.strides), _dtype_name(a.dtype),
+                         ("cuda", a.device.id), a.data.ptr)
+    if kind == "numpy":
+        isz = a.itemsize
+        if any(s % isz for s in a.strides):
+            raise ValueError(f"cupy_rope: strides {a.strides} are not multiples of the item size {isz}")
+        return ArrayInfo(a.shape, tuple(s // isz for s in a.strides), _dtype_name(a.dtype), ("cpu", 0),
+                         a.__array_interface__["data"][0])
+    if kind == "jax":
+        dev = next(iter(a.devices()))
+        plat = "cuda" if dev.platform == "gpu" else dev.platform
+        strides = _contiguous(a.shape)
+        return ArrayInfo(tuple(a.shape), strides, _dtype_name(a.dtype), (plat, dev.id if plat == "cuda" else 0), 0)
+    raise TypeError(f"cupy_rope: cannot describe {type(a).__name__}")
+
+
+def _contiguous(shape):
+    from ._plan import output_strides
+
+    return output_strides(tuple(shape))
+
+
+def from_dlpack(a):
+    """A generic ``__dlpack__`` object as CuPy (CUDA) or NumPy (CPU), zero-copy."""
+    dev_type = a.__dlpack_device__()[0] if hasattr(a, "__dlpack_device__") else 1
+    if dev_type in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        import cupy
+
+        return cupy.from_dlpack(a), "cupy"
+    return np.from_dlpack(a), "numpy"
+
+
+# --------------------------------------------------------------------- CPU views
+def to_numpy(a, kind: str):
+    """A NumPy view of a CPU array (torch CPU, JAX CPU, NumPy); bf16 as ml_dtypes.bfloat16."""
+    if a is None:
+        return None
+    if kind == "numpy":
+        return a
+    if kind == "torch":
+        import torch
+
+        t = a.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    if kind == "jax":
+        return np.asarray(a)
+    raise TypeError(f"cupy_rope: {kind} array is not on the CPU")
+
+
+def from_numpy(y: np.ndarray, kind: str, like=None):
+    """Return NumPy result ``y`` in the caller's framework."""
+    if kind == "numpy":
+        return y
+    if kind == "torch":
+        import torch
+
+        y = np.ascontiguousarray(y)
+        if y.dtype.name == "bfloat16":
+            return torch.from_numpy(y.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(y)
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(y)
+    return y
+
+
+def write_into(out, kind: str, y: np.ndarray) -> None:
+    """Copy a NumPy result into a caller-provided CPU output (any strides)."""
+    if kind == "torch":
+        out.copy_(from_numpy(y, "torch"))
+    elif kind == "numpy":
+        out[...] = y
+    else:
+        raise TypeError(f"cupy_rope: `out` of type {type(out).__name__} is not writable here")
+
+
+# --------------------------------------------------------------------- GPU allocation, streams
+def empty(kind: str, shape: tuple, dtype: str, device_index: int, like=None):
+    """A new contiguous array in the caller's framework on ``device_index``."""
+    if kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=_torch_dtypes()[dtype], device=like.device)
+    if kind == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            return cupy.empty(shape, dtype=_cupy_dtype(dtype))
+    raise TypeError(f"cupy_rope: cannot allocate for {kind}")
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def permuted(a, kind: str, order: tuple):
+    """View of ``a`` with axes permuted (used for transpose_output_memory)."""
+    return a.permute(*order) if kind == "torch" else a.transpose(order)
+
+
+def current_stream(kind: str, device_index: int) -> int:
+    """The caller's current stream handle on ``device_index``."""
+    if kind == "torch":
+        import torch
+
+        try:
+            return torch._C._cuda_getCurrentRawStream(device_index)
+        except AttributeError:  # pragma: no cover - private API moved
+            return torch.cuda.current_stream(device_index).cuda_stream
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return cupy.cuda.get_current_stream().ptr

@@ -1,0 +1,101 @@
+"""The CUDA source and its kernel instantiations (framework-free, no device needed).
+
+The source lives in ``kernels_cu/`` (shipped inside the package as ``cupy_rope/kernels_cu``
+when installed). :func:`source_for` returns one self-contained string (local ``#include``
+lines inlined, so CuPy's compile cache key covers every line) plus the entry-point lines for
+the requested kernels. Every consumer (GPU launch, NVRTC compile check, host build) uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+from pathlib import Path
+
+# Kernel kinds: the source file that defines them and their entry-point macro.
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
+# dtype name -> (C type, element size in bytes)
+CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
+SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+BLOCK = 256  # threads per block; must equal CUPY_ROPE_BLOCK's default in rope_common.cuh
+
+
+def vector_widths(dtype: str) -> tuple[int, ...]:
+    """Elements per vector access for ``dtype``: powers of two up to 16 bytes."""
+    size = CTYPES[dtype][1]
+    return tuple(v for v in (1, 2, 4, 8) if v * size <= 16)
+
+
+def kernel_name(kind: str, dtype: str, vec: int, interleaved: bool, backward: bool) -> str:
+    """Entry-point name, e.g. ``rope_bf16_v8_n_f`` (non-interleaved, forward)."""
+    return f"{kind}_{SHORT[dtype]}_v{vec}_{'i' if interleaved else 'n'}_{'b' if backward else 'f'}"
+
+
+def all_kernels() -> list[str]:
+    """Every instantiation the library can launch."""
+    return [
+        kernel_name(kind, dt, v, il, bw)
+        for kind, dt in itertools.product(KINDS, CTYPES)
+        for v, il, bw in itertools.product(vector_widths(dt), (False, True), (False, True))
+    ]
+
+
+_NAME = re.compile(r"^(rope|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
+
+
+def entry_line(name: str) -> str:
+    """The macro line that instantiates kernel ``name``."""
+    m = _NAME.match(name)
+    if not m:
+        raise ValueError(f"unknown kernel name {name!r}")
+    kind, short, vec, il, bw = m.groups()
+    dtype = {v: k for k, v in SHORT.items()}[short]
+    ctype = CTYPES[dtype][0]
+    return (f"{KINDS[kind]}({name}, {ctype}, {vec}, {'true' if il == 'i' else 'false'}, "
+            f"{'true' if bw == 'b' else 'false'})")
+
+
+def source_dir() -> Path:
+    """Directory holding the ``.cu``/``.cuh`` files (installed package or source tree)."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (cand / SOURCES[0]).is_file():
+            return cand
+    raise FileNotFoundError(
+        f"cupy_rope: CUDA sources not found in {here / 'kernels_cu'} or {here.parent / 'kernels_cu'}; "
+        "reinstall the package (the .cu files ship as package data)")
+
+
+@functools.lru_cache(maxsize=None)
+def base_source() -> str:
+    """All kernel sources concatenated, local includes inlined once."""
+    d = source_dir()
+    seen: set[str] = set()
+    out: list[str] = []
+
+    def add(fname: str) -> None:
+        if fname in seen:
+            return
+        seen.add(fname)
+        for line in (d / fname).read_text().splitlines():
+            m = re.match(r'\s*#include\s+"([^"]+)"', line)
+            if m:
+                add(m.group(1))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+
+    for f in SOURCES:
+        add(f)
+    return "\n".join(out) + "\n"
+
+
+def source_for(names) -> str:
+    """Self-contained source defining the kernels ``names``."""
+    return base_source() + "\n".join(entry_line(n) for n in names) + "\n"
+
+
+def source_hash() -> str:
+    return hashlib.sha1(base_source().encode()).hexdigest()[:16]

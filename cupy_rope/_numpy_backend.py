@@ -1,0 +1,73 @@
+"""The NumPy backend: the spec's arithmetic, vectorised, for arrays on the CPU.
+
+Functions take the array module ``xp`` (NumPy, or ``jax.numpy`` for the jittable CPU path of
+``cupy_rope.jax``) and never update arrays in place. Arithmetic in float32 with one rounding
+at the end, as the kernels do; bf16 through ``ml_dtypes`` (NumPy) or JAX's own bf16.
+"""
+
+from __future__ import annotations
+
+from ._plan import QkvPlan, RopePlan, Table
+from ._positions import table_mask, token_positions
+
+
+def _rotate(xp, x, freqs, table: Table, mask_pos, interleaved: bool, backward: bool):
+    """Rotate ``x`` [lead..., h, d] with table rows ``p`` where ``mask`` (copy elsewhere)."""
+    p, mask = mask_pos
+    d2 = table.d2
+    f2 = xp.asarray(freqs).reshape(freqs.shape[0], d2)
+    ang = f2[xp.where(mask, p, 0)][..., None, :]  # lead..., 1, d2
+    c, s = xp.cos(ang), xp.sin(ang)
+    xr = x[..., :d2].astype(xp.float32)
+    if interleaved:
+        sl_f, sl_s = (Ellipsis, slice(0, d2, 2)), (Ellipsis, slice(1, d2, 2))
+    else:
+        sl_f, sl_s = (Ellipsis, slice(0, d2 // 2)), (Ellipsis, slice(d2 // 2, d2))
+    xf, xs, cf, cs, sf, ss = xr[sl_f], xr[sl_s], c[sl_f], c[sl_s], s[sl_f], s[sl_s]
+    if backward:
+        yf = xf * cf + xs * ss
+        ys = xs * cs - xf * sf
+    else:
+        yf = xf * cf - xs * sf
+        ys = xs * cs + xf * ss
+    if interleaved:
+        yr = xp.stack([yf, ys], axis=-1).reshape(xr.shape)
+    else:
+        yr = xp.concatenate([yf, ys], axis=-1)
+    yr = xp.where(mask[..., None, None], yr.astype(x.dtype), x[..., :d2])
+    return xp.concatenate([yr, x[..., d2:]], axis=-1) if d2 < x.shape[-1] else yr
+
+
+def _positions(xp, plan, lead_shape, rows, cu, sp):
+    p, in_seq = token_positions(xp, plan.pos, lead_shape, cu, sp)
+    return p, table_mask(xp, p, in_seq, rows)
+
+
+def rope(xp, plan: RopePlan, x, freqs, cu=None, sp=None):
+    """Spec 3 (forward) or 4 (backward, ``plan.backward``) for one tensor; new array."""
+    lead = tuple(x.shape[:-2])
+    mp = _positions(xp, plan, lead, plan.table.rows, cu, sp)
+    return _rotate(xp, x, freqs, plan.table, mp, plan.interleaved, plan.backward)
+
+
+def qkv_forward(xp, plan: QkvPlan, qkv, q_freqs, k_freqs, cu=None, sp=None):
+    """Spec 6 forward: packed [lead..., g, (n+2)d] -> (q, k, v)."""
+    lead, g, n, d = plan.lead_shape, plan.groups, plan.n_q, plan.d
+    q = qkv[..., : n * d].reshape(lead + (g * n, d))
+    k = qkv[..., n * d: (n + 1) * d]
+    v = qkv[..., (n + 1) * d:]
+    q = _rotate(xp, q, q_freqs, plan.q_table, _positions(xp, plan, lead, plan.q_table.rows, cu, sp),
+                plan.interleaved, False)
+    k = _rotate(xp, k, k_freqs, plan.k_table, _positions(xp, plan, lead, plan.k_table.rows, cu, sp),
+                plan.interleaved, False)
+    return q, k, xp.array(v, copy=True)
+
+
+def qkv_backward(xp, plan: QkvPlan, dq, dk, dv, q_freqs, k_freqs, cu=None, sp=None):
+    """Spec 6 backward: (dq, dk, dv) -> packed dqkv."""
+    lead, g, n, d = plan.lead_shape, plan.groups, plan.n_q, plan.d
+    gq = _rotate(xp, dq, q_freqs, plan.q_table, _positions(xp, plan, lead, plan.q_table.rows, cu, sp),
+                 plan.interleaved, True)
+    gk = _rotate(xp, dk, k_freqs, plan.k_table, _positions(xp, plan, lead, plan.k_table.rows, cu, sp),
+                 plan.interleaved, True)
+    return xp.concatenate([gq.reshape(lead + (g, n * d)), gk, dv.astype(gk.dtype)], axis=-1)

@@ -1,0 +1,550 @@
+"""Layout and argument resolution: validation and the launch plan (framework-neutral).
+
+Everything here works on :class:`ArrayInfo` descriptors (shape, element strides, dtype,
+device, address) and never touches array data, so every check is free of device
+synchronisation. The result is a plan that both back ends consume: the CUDA launch
+(parameter struct, grid, kernel name) and the NumPy backend (the same resolved numbers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from . import _kernels
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INDEX_DTYPES = ("int32", "int64")
+LAYOUTS = {"sbhd": 0, "bshd": 1, "thd": 2}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What the planner needs to know about an array (no data)."""
+
+    shape: tuple
+    strides: tuple  # in elements
+    dtype: str  # numpy-style name ("bfloat16" for bf16)
+    device: tuple  # ("cpu", 0) or ("cuda", index)
+    ptr: int = 0  # data address (0 on the NumPy backend)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def extent(self) -> tuple[int, int]:
+        """Byte range [lo, hi) the array's elements occupy (empty arrays: empty range)."""
+        isz = ITEMSIZE.get(self.dtype, 1)
+        if self.size == 0:
+            return (self.ptr, self.ptr)
+        lo = hi = 0
+        for n, s in zip(self.shape, self.strides):
+            if s > 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        return (self.ptr + lo * isz, self.ptr + (hi + 1) * isz)
+
+
+def _fmt_dev(dev) -> str:
+    return "cpu" if dev[0] == "cpu" else f"cuda:{dev[1]}"
+
+
+def _err(arg: str, expected: str, got) -> ValueError:
+    return ValueError(f"cupy_rope: `{arg}`: expected {expected}, got {got}")
+
+
+def _terr(arg: str, expected: str, got) -> TypeError:
+    return TypeError(f"cupy_rope: `{arg}`: expected {expected}, got {got}")
+
+
+def check_layout(layout) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise _err("layout", "one of 'sbhd', 'bshd', 'thd'", repr(layout))
+    return layout
+
+
+def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            import numpy as np
+
+            if isinstance(v, np.integer):
+                v = int(v)
+            else:
+                raise TypeError
+        except TypeError:
+            raise _terr(name, "a Python int", f"{type(v).__name__} {v!r}") from None
+    if lo is not None and v < lo:
+        raise _err(name, f"an int >= {lo}", v)
+    if hi is not None and v >= hi:
+        raise _err(name, f"an int < {hi}", v)
+    return v
+
+
+def check_bool(name: str, v) -> bool:
+    if not isinstance(v, bool):
+        try:
+            import numpy as np
+
+            if isinstance(v, np.bool_):
+                return bool(v)
+        except ImportError:  # pragma: no cover
+            pass
+        raise _terr(name, "a bool", f"{type(v).__name__} {v!r}")
+    return v
+
+
+def check_float_input(name: str, a: ArrayInfo) -> None:
+    if a.dtype not in FLOAT_DTYPES:
+        raise _terr(name, "dtype float32, float16 or bfloat16", a.dtype)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A resolved angle table: rows S, rotary width d2, element strides."""
+
+    rows: int
+    d2: int
+    srow: int
+    scol: int
+
+
+def check_freqs(name: str, f: ArrayInfo, d: int) -> Table:
+    """Spec 2 and 7: float32, [S, 1, 1, d2] or [S, d2], d2 even and <= d."""
+    if f.dtype != "float32":
+        raise _terr(name, "a float32 angle table", f"dtype {f.dtype}")
+    if not (f.ndim == 2 or (f.ndim == 4 and f.shape[1] == 1 and f.shape[2] == 1)):
+        raise _err(name, "shape [S, 1, 1, d2] or [S, d2]", f"shape {tuple(f.shape)}")
+    d2 = f.shape[-1]
+    if d2 % 2:
+        raise _err(name, "an even rotary width d2 (last dimension)", f"d2 = {d2}")
+    if d2 > d:
+        raise _err(name, f"rotary width d2 <= head dim d = {d}", f"d2 = {d2}")
+    return Table(rows=f.shape[0], d2=d2, srow=f.strides[0], scol=f.strides[-1])
+
+
+def check_index(name: str, a: ArrayInfo | None) -> None:
+    if a is None:
+        return
+    if a.ndim != 1:
+        raise _err(name, "a 1-D tensor", f"shape {tuple(a.shape)}")
+    if a.dtype not in INDEX_DTYPES:
+        raise _terr(name, "dtype int32 or int64", a.dtype)
+
+
+def check_same_device(ref_name: str, ref: ArrayInfo, others: dict) -> None:
+    for name, a in others.items():
+        if a is not None and tuple(a.device) != tuple(ref.device):
+            raise _err(name, f"an array on the same device as `{ref_name}` ({_fmt_dev(ref.device)})",
+                       f"an array on {_fmt_dev(a.device)}")
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Resolved position arguments (spec 5), shared by both back ends."""
+
+    layout: str
+    seq_len: int  # sbhd/bshd local s (thd: 0)
+    nseq: int  # thd: sequences (sbhd/bshd: b)
+    cp_size: int
+    cp_rank: int
+    has_cu: bool
+    has_sp: bool
+    cu_is64: bool
+    sp_is64: bool
+
+
+def resolve_positions(layout: str, tokens_shape: tuple, table_rows: int, cu_seqlens, start_positions,
+                      cp_size, cp_rank) -> Positions:
+    """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,)."""
+    cp_size = check_int("cp_size", cp_size, lo=1)
+    cp_rank = check_int("cp_rank", cp_rank, lo=0)
+    if cp_rank >= cp_size:
+        raise _err("cp_rank", f"0 <= cp_rank < cp_size = {cp_size}", cp_rank)
+    check_index("cu_seqlens", cu_seqlens)
+    check_index("start_positions", start_positions)
+    if layout == "thd":
+        if cu_seqlens is None:
+            raise _err("cu_seqlens", "a 1-D int32/int64 tensor for layout 'thd'", "None")
+        if cu_seqlens.shape[0] < 1:
+            raise _err("cu_seqlens", "at least one entry ([nseq + 1], starting with 0)",
+                       f"shape {tuple(cu_seqlens.shape)}")
+        nseq = cu_seqlens.shape[0] - 1
+        seq_len = 0
+    else:
+        if cu_seqlens is not None:
+            raise _err("cu_seqlens", f"None for layout {layout!r} (only 'thd' takes it)",
+                       f"a tensor of shape {tuple(cu_seqlens.shape)}")
+        s, b = tokens_shape
+        nseq, seq_len = b, s
+        if cp_size > 1 and s % 2:
+            raise _err("x", f"an even local sequence length with cp_size = {cp_size} > 1",
+                       f"s = {s}")
+        if table_rows < s * cp_size:
+            raise _err("freqs", f"at least s * cp_size = {s} * {cp_size} = {s * cp_size} rows",
+                       f"{table_rows} rows")
+    if start_positions is not None and start_positions.shape[0] < nseq:
+        what = "b" if layout != "thd" else "nseq = len(cu_seqlens) - 1"
+        raise _err("start_positions", f"at least {what} = {nseq} entries",
+                   f"shape {tuple(start_positions.shape)}")
+    return Positions(layout=layout, seq_len=seq_len, nseq=nseq, cp_size=cp_size, cp_rank=cp_rank,
+                     has_cu=cu_seqlens is not None, has_sp=start_positions is not None,
+                     cu_is64=cu_seqlens is not None and cu_seqlens.dtype == "int64",
+                     sp_is64=start_positions is not None and start_positions.dtype == "int64")
+
+
+# ------------------------------------------------------------------------ token geometry
+def split_tokens(layout: str, shape: tuple):
+    """Token dims of an array of ``shape`` as (n_tok, n_inner, tokens_shape).
+
+    sbhd: outer = s, inner = b; bshd: outer = b, inner = s; thd: outer = t, inner = 1.
+    ``tokens_shape`` is (s, b) for sbhd/bshd and (t,) for thd.
+    """
+    if layout == "thd":
+        return shape[0], 1, (shape[0],)
+    n0, n1 = shape[0], shape[1]
+    return n0 * n1, n1, ((n0, n1) if layout == "sbhd" else (n1, n0))
+
+
+def token_strides(layout: str, a: ArrayInfo):
+    """(outer, inner) element strides of ``a``'s token dims, size-1 dims zeroed."""
+    st = _norm(a.shape, a.strides)
+    return (st[0], 0) if layout == "thd" else (st[0], st[1])
+
+
+def output_strides(shape: tuple) -> tuple:
+    """Row-major (contiguous) element strides."""
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
+
+
+def _norm(shape, strides):
+    """Strides of size-1 dims do not matter: zero them so they never block vectorisation."""
+    return tuple(0 if n == 1 else s for n, s in zip(shape, strides))
+
+
+def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
+    """Widest vector (elements) valid for every (ptr, row strides, channel stride) given."""
+    isz = ITEMSIZE[dtype]
+    h2 = d2 // 2
+    for v in sorted(_kernels.vector_widths(dtype), reverse=True):
+        if v == 1:
+            return 1
+        if h2 % v or d % v or v > _MAX_VEC:
+            continue
+        ok = True
+        for ptr, row_strides, sd in arrays:
+            if sd != 1 or ptr % (v * isz) or any(s % v for s in row_strides):
+                ok = False
+                break
+        if ok:
+            return v
+    return 1
+
+
+# Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in elements.
+_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "2048"))
+_MAX_VEC = int(os.environ.get("CUPY_ROPE_MAX_VEC", "8"))
+
+
+def rows_per_thread(n_tok: int, n_units: int, n_rows: int, sm_count: int) -> int:
+    """Heads per thread: enough threads to fill the device, the rest reuse cos/sin."""
+    target = sm_count * _THREADS_PER_SM
+    per = max(1, min(n_rows, (n_tok * n_units * n_rows) // max(target, 1)))
+    groups = -(-n_rows // per)
+    return -(-n_rows // groups)
+
+
+# ------------------------------------------------------------------------ plans
+ROPE_FIELDS = (
+    "x", "y", "freqs", "n_tok", "n_inner", "xs0", "xs1", "xsh", "xsd", "ys0", "ys1", "ysh", "ysd",
+    "n_heads", "d2", "n_hgroups", "n_units", "n_rot_units", "f_rows", "f_srow", "f_scol",
+)
+QKV_FIELDS = (
+    "packed", "q", "k", "v", "q_freqs", "k_freqs", "n_tok", "n_inner",
+    "ps0", "ps1", "psg", "psd", "qs0", "qs1", "qsh", "qsd", "ks0", "ks1", "ksh", "ksd",
+    "vs0", "vs1", "vsh", "vsd", "n_groups", "n_q", "d", "d2", "n_hsub", "n_units", "n_rot_units",
+    "qf_rows", "qf_srow", "qf_scol", "kf_rows", "kf_srow", "kf_scol", "k_same_table",
+)
+POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "start_positions", "sp_is64",
+              "cp_size", "cp_rank")
+
+
+@dataclass
+class RopePlan:
+    """A resolved single-tensor RoPE call."""
+
+    layout: str
+    interleaved: bool
+    backward: bool
+    dtype: str
+    shape: tuple  # input (= output) shape
+    d: int
+    heads: int
+    table: Table
+    pos: Positions
+    transpose_output: bool = False  # allocate bshd memory, return its sbhd view
+
+    def launch(self, x: ArrayInfo, y: ArrayInfo, freqs: ArrayInfo, cu, sp, sm_count: int):
+        """(kernel name, grid, block, packed params) for the CUDA/host kernels."""
+        n_tok, n_inner, _ = split_tokens(self.layout, x.shape)
+        xs0, xs1 = token_strides(self.layout, x)
+        ys0, ys1 = token_strides(self.layout, y)
+        xst = _norm(x.shape, x.strides)
+        yst = _norm(y.shape, y.strides)
+        vec = pick_vec(self.dtype, self.d, self.table.d2,
+                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])])
+        n_rot = self.table.d2 // 2 // vec
+        n_units = n_rot + (self.d - self.table.d2) // vec
+        per = rows_per_thread(n_tok, n_units, self.heads, sm_count)
+        groups = -(-self.heads // per)
+        vals = dict(
+            x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
+            xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
+            n_heads=self.heads, d2=self.table.d2, n_hgroups=groups, n_units=n_units,
+            n_rot_units=n_rot, f_rows=self.table.rows, f_srow=self.table.srow,
+            f_scol=self.table.scol,
+        )
+        params = pack(ROPE_FIELDS, vals) + pack_pos(self.pos, cu, sp)
+        items = n_tok * groups * n_units
+        name = _kernels.kernel_name("rope", self.dtype, vec, self.interleaved, self.backward)
+        return name, -(-items // _kernels.BLOCK), _kernels.BLOCK, params
+
+
+def pack(fields, vals: dict) -> bytes:
+    return struct.pack(f"<{len(fields)}q", *(int(vals[f]) for f in fields))
+
+
+def pack_pos(pos: Positions, cu: ArrayInfo | None, sp: ArrayInfo | None) -> bytes:
+    return pack(POS_FIELDS, dict(
+        layout=LAYOUTS[pos.layout], seq_len=pos.seq_len, nseq=pos.nseq,
+        cu_seqlens=cu.ptr if cu is not None else 0, cu_is64=pos.cu_is64,
+        start_positions=sp.ptr if sp is not None else 0, sp_is64=pos.sp_is64,
+        cp_size=pos.cp_size, cp_rank=pos.cp_rank))
+
+
+def check_out(out: ArrayInfo | None, shape: tuple, dtype: str, ref: ArrayInfo, ref_name: str,
+              inputs: dict) -> None:
+    """An explicit output: right shape/dtype/device, no self-overlap, no overlap with inputs
+    other than being exactly the input (in place)."""
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(shape):
+        raise _err("out", f"shape {tuple(shape)}", f"shape {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise _terr("out", f"dtype {dtype}", out.dtype)
+    check_same_device(ref_name, ref, {"out": out})
+    if out.size > 1 and any(s == 0 and n > 1 for n, s in zip(out.shape, out.strides)):
+        raise _err("out", "a writable array without zero strides (elements must not overlap)",
+                   f"strides {tuple(out.strides)}")
+    if out.ptr == 0 or out.size == 0:
+        return
+    lo, hi = out.extent()
+    for name, a in inputs.items():
+        if a is None or a.ptr == 0 or a.size == 0:
+            continue
+        if a.ptr == out.ptr and tuple(a.strides) == tuple(out.strides) and name == ref_name:
+            continue  # exactly the input: in-place is safe (each element read, then written, by one thread)
+        alo, ahi = a.extent()
+        if alo < hi and lo < ahi:
+            raise _err("out", f"memory that does not overlap `{name}` (or exactly `{ref_name}` for in-place)",
+                       "an overlapping array")
+
+
+def resolve_rope(x: ArrayInfo, freqs: ArrayInfo, layout, interleaved, cu_seqlens, start_positions,
+                 cp_size, cp_rank, out: ArrayInfo | None, backward: bool,
+                 transpose_output_memory=False, x_name: str = "x") -> RopePlan:
+    """Validate a single-tensor call (spec 7) and resolve it into a plan."""
+    layout = check_layout(layout)
+    interleaved = check_bool("interleaved", interleaved)
+    transpose_output_memory = check_bool("transpose_output_memory", transpose_output_memory)
+    check_float_input(x_name, x)
+    want = 3 if layout == "thd" else 4
+    if x.ndim != want:
+        dims = "[t, h, d]" if layout == "thd" else f"[{', '.join(layout)}]"
+        raise _err(x_name, f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(x.shape)}")
+    check_same_device(x_name, x, {"freqs": freqs, "cu_seqlens": cu_seqlens,
+                                  "start_positions": start_positions})
+    d, heads = x.shape[-1], x.shape[-2]
+    table = check_freqs("freqs", freqs, d)
+    _, _, tokens_shape = split_tokens(layout, x.shape)
+    pos = resolve_positions(layout, tokens_shape, table.rows, cu_seqlens, start_positions, cp_size,
+                            cp_rank)
+    if transpose_output_memory:
+        if layout != "sbhd":
+            raise _err("transpose_output_memory", "True only with layout 'sbhd'", f"layout {layout!r}")
+        if out is not None:
+            raise _err("transpose_output_memory", "False when `out` is given", "True")
+    check_out(out, x.shape, x.dtype, x, x_name,
+              {x_name: x, "freqs": freqs, "cu_seqlens": cu_seqlens, "start_positions": start_positions})
+    return RopePlan(layout=layout, interleaved=interleaved, backward=backward, dtype=x.dtype,
+                    shape=tuple(x.shape), d=d, heads=heads, table=table, pos=pos,
+                    transpose_output=transpose_output_memory)
+
+
+@dataclass
+class QkvPlan:
+    """A resolved packed-QKV call (spec 6)."""
+
+    layout: str
+    interleaved: bool
+    backward: bool
+    dtype: str
+    lead_shape: tuple  # token dims: (s, b) / (b, s) / (t,)
+    groups: int
+    n_q: int  # query heads per group
+    d: int
+    q_table: Table
+    k_table: Table
+    k_same_table: bool
+    pos: Positions
+
+    @property
+    def packed_shape(self) -> tuple:
+        return self.lead_shape + (self.groups, (self.n_q + 2) * self.d)
+
+    @property
+    def q_shape(self) -> tuple:
+        return self.lead_shape + (self.groups * self.n_q, self.d)
+
+    @property
+    def kv_shape(self) -> tuple:
+        return self.lead_shape + (self.groups, self.d)
+
+    def launch(self, packed: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
+               q_freqs: ArrayInfo, k_freqs: ArrayInfo, cu, sp, sm_count: int):
+        n_tok, n_inner, _ = split_tokens(self.layout, packed.shape)
+        st = {name: _norm(a.shape, a.strides) for name, a in
+              (("p", packed), ("q", q), ("k", k), ("v", v))}
+        arrays = [(packed.ptr, st["p"][:-1], st["p"][-1])]
+        arrays += [(a.ptr, st[n][:-1], st[n][-1]) for n, a in (("q", q), ("k", k), ("v", v))]
+        vec = pick_vec(self.dtype, self.d, self.q_table.d2, arrays)
+        n_rot = self.q_table.d2 // 2 // vec
+        n_units = n_rot + (self.d - self.q_table.d2) // vec
+        rows = self.n_q + 2
+        per = rows_per_thread(n_tok * self.groups, n_units, rows, sm_count)
+        n_hsub = -(-rows // per)
+        vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
+                    k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=self.groups,
+                    n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_hsub=n_hsub, n_units=n_units,
+                    n_rot_units=n_rot, k_same_table=self.k_same_table)
+        for pre, a in (("p", packed), ("q", q), ("k", k), ("v", v)):
+            s0, s1 = token_strides(self.layout, a)
+            vals.update({f"{pre}s0": s0, f"{pre}s1": s1, f"{pre}s{'g' if pre == 'p' else 'h'}": st[pre][-2],
+                         f"{pre}sd": st[pre][-1]})
+        for pre, t in (("qf", self.q_table), ("kf", self.k_table)):
+            vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
+        params = pack(QKV_FIELDS, vals) + pack_pos(self.pos, cu, sp)
+        items = n_tok * self.groups * n_hsub * n_units
+        name = _kernels.kernel_name("qkv", self.dtype, vec, self.interleaved, self.backward)
+        return name, -(-items // _kernels.BLOCK), _kernels.BLOCK, params
+
+
+def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[int, int]:
+    """(query heads per group n, head dim d) from ``split`` or ``num_q_heads`` (spec 6)."""
+    if (split is None) == (num_q_heads is None):
+        raise _err("split", "exactly one of `split` and `num_q_heads`",
+                   "both" if split is not None else "neither")
+    if split is not None:
+        try:
+            sizes = tuple(check_int("split", int(v) if not isinstance(v, bool) else v, lo=1) for v in split)
+        except TypeError:
+            raise _terr("split", "three ints (q_size, k_size, v_size)", repr(split)) from None
+        if len(sizes) != 3:
+            raise _err("split", "three sizes (q_size, k_size, v_size)", repr(tuple(split)))
+        q_size, k_size, v_size = sizes
+        if q_size + k_size + v_size != width:
+            raise _err("split", f"sizes adding up to the last dimension of `{arg}` ({width})",
+                       f"{sizes} (sum {q_size + k_size + v_size})")
+        d = k_size
+        if v_size != d or q_size % d:
+            raise _err("split", "q_size a multiple of the head dim d = k_size = v_size",
+                       f"{sizes}")
+        return q_size // d, d
+    num_q_heads = check_int("num_q_heads", num_q_heads, lo=1)
+    if num_q_heads % groups:
+        raise _err("num_q_heads", f"a multiple of the number of groups g = {groups}", num_q_heads)
+    n = num_q_heads // groups
+    if width % (n + 2):
+        raise _err("num_q_heads", f"a value for which the last dimension of `{arg}` ({width}) splits into "
+                   f"n + 2 = {n + 2} heads per group", num_q_heads)
+    return n, width // (n + 2)
+
+
+def _qkv_common(layout, lead_shape, groups, n, d, ref: ArrayInfo, ref_name, q_freqs, k_freqs,
+                interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward) -> QkvPlan:
+    check_same_device(ref_name, ref, {"q_freqs": q_freqs, "k_freqs": k_freqs,
+                                      "cu_seqlens": cu_seqlens, "start_positions": start_positions})
+    qt = check_freqs("q_freqs", q_freqs, d)
+    kt = check_freqs("k_freqs", k_freqs, d)
+    if qt.d2 != kt.d2:
+        raise _err("k_freqs", f"the rotary width of `q_freqs` (d2 = {qt.d2})", f"d2 = {kt.d2}")
+    tokens_shape = split_tokens(layout, lead_shape + (0,))[2]
+    pos = resolve_positions(layout, tokens_shape, min(qt.rows, kt.rows), cu_seqlens,
+                            start_positions, cp_size, cp_rank)
+    same = (q_freqs.ptr == k_freqs.ptr and qt == kt and q_freqs.ptr != 0)
+    return QkvPlan(layout=layout, interleaved=interleaved, backward=backward, dtype=ref.dtype,
+                   lead_shape=tuple(lead_shape), groups=groups, n_q=n, d=d, q_table=qt,
+                   k_table=kt, k_same_table=same, pos=pos)
+
+
+def resolve_qkv(qkv: ArrayInfo, q_freqs, k_freqs, split, layout, num_q_heads, interleaved,
+                cu_seqlens, start_positions, cp_size, cp_rank) -> QkvPlan:
+    """Validate the packed-QKV forward (spec 6, 7)."""
+    layout = check_layout(layout)
+    interleaved = check_bool("interleaved", interleaved)
+    check_float_input("qkv", qkv)
+    want = 3 if layout == "thd" else 4
+    if qkv.ndim != want:
+        dims = "[t, g, (n+2)*d]" if layout == "thd" else f"[{', '.join(layout[:2])}, g, (n+2)*d]"
+        raise _err("qkv", f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(qkv.shape)}")
+    groups, width = qkv.shape[-2], qkv.shape[-1]
+    n, d = qkv_heads(split, num_q_heads, groups, width, "qkv")
+    return _qkv_common(layout, tuple(qkv.shape[:-2]), groups, n, d, qkv, "qkv", q_freqs, k_freqs,
+                       interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=False)
+
+
+def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k_freqs, split,
+                         layout, num_q_heads, interleaved, cu_seqlens, start_positions, cp_size,
+                         cp_rank) -> QkvPlan:
+    """Validate the packed-QKV backward: dq [.., g*n, d], dk/dv [.., g, d] -> dqkv."""
+    layout = check_layout(layout)
+    interleaved = check_bool("interleaved", interleaved)
+    want = 3 if layout == "thd" else 4
+    for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
+        check_float_input(name, a)
+        if a.ndim != want:
+            raise _err(name, f"a {want}-D tensor for layout {layout!r}", f"shape {tuple(a.shape)}")
+    check_same_device("dq", dq, {"dk": dk, "dv": dv})
+    for name, a in (("dk", dk), ("dv", dv)):
+        if a.dtype != dq.dtype:
+            raise _terr(name, f"the dtype of `dq` ({dq.dtype})", a.dtype)
+        if tuple(a.shape[:-2]) != tuple(dq.shape[:-2]) or a.shape[-1] != dq.shape[-1]:
+            raise _err(name, f"shape {tuple(dq.shape[:-2]) + ('g', dq.shape[-1])} matching `dq`",
+                       f"shape {tuple(a.shape)}")
+    if tuple(dv.shape) != tuple(dk.shape):
+        raise _err("dv", f"the shape of `dk` {tuple(dk.shape)}", f"shape {tuple(dv.shape)}")
+    groups, d = dk.shape[-2], dk.shape[-1]
+    if groups == 0 or dq.shape[-2] % groups:
+        raise _err("dq", f"a head count that is a multiple of the groups g = {groups}",
+                   f"{dq.shape[-2]} heads")
+    n = dq.shape[-2] // groups
+    if split is not None or num_q_heads is not None:
+        n2, d2 = qkv_heads(split, num_q_heads, groups, (n + 2) * d, "dqkv")
+        if (n2, d2) != (n, d):
+            raise _err("split" if split is not None else "num_q_heads",
+                       f"a split matching the gradients (n = {n} query heads per group, d = {d})",
+                       f"n = {n2}, d = {d2}")
+    return _qkv_common(layout, tuple(dq.shape[:-2]), groups, n, d, dq, "dq", q_freqs, k_freqs,
+                       interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)

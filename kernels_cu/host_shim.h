@@ -1,0 +1,37 @@
+// cupy_rope: host (CPU) build of the kernel source, for tests on machines without a GPU.
+//
+// Included before the kernel sources and compiled with g++ (cupy_rope/_hostkernels.py).
+// Each kernel entry point becomes an extern "C" function NAME(grid, block, params) that runs
+// every (block, thread) of the launch in order. The kernels use no shared memory, barriers
+// or warp intrinsics, so a sequential run computes what the GPU computes.
+#pragma once
+#include <cmath>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define CUPY_ROPE_HOST 1
+
+struct cupy_rope_dim3 {
+  unsigned int x, y, z;
+};
+static thread_local cupy_rope_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static inline void sincosf_host(float a, float* s, float* c) {
+  *s = std::sin(a);
+  *c = std::cos(a);
+}
+#define sincosf sincosf_host
+
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY)                                                   \
+  extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
+    const PARAMS& p = *static_cast<const PARAMS*>(params);                                     \
+    gridDim = {grid, 1, 1};                                                                    \
+    blockDim = {block, 1, 1};                                                                  \
+    for (unsigned int b = 0; b < grid; ++b) {                                                  \
+      blockIdx = {b, 0, 0};                                                                    \
+      for (unsigned int t = 0; t < block; ++t) {                                               \
+        threadIdx = {t, 0, 0};                                                                 \
+        BODY(p);                                                                               \
+      }                                                                                        \
+    }                                                                                          \
+  }

@@ -1,0 +1,89 @@
+"""Packed QKV (spec 6) on the CPU: NumPy backend and host-built kernels vs the reference."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from cupy_rope import _hostkernels, _plan
+from cupy_rope._interop import info
+from cases import NP_DTYPES, make_cu_seqlens, strided
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref, term_scale
+
+GRID = list(itertools.product(("sbhd", "bshd", "thd"), (1, 2, 8), (1, 4, 8), (64, 80, 128, 256)))
+
+
+def qkv_case(i, layout, g, n, d):
+    rng = np.random.default_rng(500 + i)
+    dtype = ("float32", "float16", "bfloat16")[i % 3]
+    d2 = d if i % 2 else d // 2
+    il = bool((i // 2) % 2)
+    cp_size, cp_rank = ((1, 0), (2, 1), (4, 3))[i % 3]
+    kw = dict(layout=layout, interleaved=il, cp_size=cp_size, cp_rank=cp_rank)
+    if layout == "thd":
+        cu, t = make_cu_seqlens(rng, cp_size, nseq=3, max_len=8)
+        lead = (t,)
+        kw["cu_seqlens"] = cu.astype(np.int32)
+        nseq = 3
+        rows = int(np.diff(cu).max())
+    else:
+        s = 2 * cp_size
+        lead = (s, 2) if layout == "sbhd" else (2, s)
+        nseq = 2
+        rows = s * cp_size
+    if i % 4 != 3:
+        kw["start_positions"] = rng.integers(0, 4, nseq).astype(np.int64 if i % 2 else np.int32)
+        rows += 4
+    qf = rng.uniform(-10, 10, (rows, 1, 1, d2)).astype(np.float32)
+    kf = qf if i % 5 == 0 else rng.uniform(-10, 10, (rows + 1, d2)).astype(np.float32)
+    mode = ("contiguous", "permuted", "offset")[i % 3]
+    qkv = strided(lead + (g, (n + 2) * d), dtype, rng, mode)
+    return dtype, qkv, qf, kf, kw
+
+
+@pytest.mark.parametrize("i,layout,g,n,d", [(i,) + c for i, c in enumerate(GRID)])
+def test_qkv(i, layout, g, n, d):
+    dtype, qkv, qf, kf, kw = qkv_case(i, layout, g, n, d)
+    split = (n * d, d, d)
+    pos_kw = {k: v for k, v in kw.items()}
+    qr = rope_ref(qkv_split_ref(qkv, n, d)[0], qf, **pos_kw)
+    kr = rope_ref(qkv_split_ref(qkv, n, d)[1], kf, **pos_kw)
+    vr = qkv_split_ref(qkv, n, d)[2].astype(np.float64)
+    d2 = qf.shape[-1]
+    # NumPy backend through the public API (split= and num_q_heads= forms)
+    q, k, v = cupy_rope.apply_qkv_rope(qkv, qf, kf, split, **kw)
+    q2, _, _ = cupy_rope.apply_qkv_rope(qkv, qf, kf, num_q_heads=g * n, **kw)
+    for got, ref, x, what in ((q, qr, qkv_split_ref(qkv, n, d)[0], "q"), (q2, qr, qkv_split_ref(qkv, n, d)[0], "q2"),
+                              (k, kr, qkv_split_ref(qkv, n, d)[1], "k")):
+        assert_close_to_ref(got, ref, x, d2, dtype, f"numpy {what}")
+    np.testing.assert_array_equal(np.asarray(v).astype(np.float64), vr)
+    # host-built kernels
+    plan = _plan.resolve_qkv(info(qkv), info(qf), info(kf), split, kw["layout"], None, kw["interleaved"],
+                             info(kw.get("cu_seqlens")), info(kw.get("start_positions")),
+                             kw["cp_size"], kw["cp_rank"])
+    hq, hk, hv = _hostkernels.run_qkv(plan, (qkv,), qf, kf, kw.get("cu_seqlens"), kw.get("start_positions"))
+    assert_close_to_ref(hq, qr, qkv_split_ref(qkv, n, d)[0], d2, dtype, "host q")
+    assert_close_to_ref(hk, kr, qkv_split_ref(qkv, n, d)[1], d2, dtype, "host k")
+    np.testing.assert_array_equal(hv.astype(np.float64), vr)
+
+    # backward: strided / stride-0 gradients
+    rng = np.random.default_rng(900 + i)
+    lead = qkv.shape[:-2]
+    dq = strided(lead + (g * n, d), dtype, rng, ("contiguous", "zero_stride", "channel_stride")[i % 3])
+    dk = strided(lead + (g, d), dtype, rng, ("permuted", "contiguous", "zero_stride")[i % 3])
+    dv = strided(lead + (g, d), dtype, rng, "zero_stride" if i % 2 else "offset")
+    gq = rope_ref(dq, qf, backward=True, **pos_kw)
+    gk = rope_ref(dk, kf, backward=True, **pos_kw)
+    want = np.concatenate([gq.reshape(lead + (g, n * d)), gk, dv.astype(np.float64)], axis=-1)
+    xin = None
+    scale = np.concatenate([term_scale(dq, d2).reshape(lead + (g, n * d)), term_scale(dk, d2),
+                            np.abs(np.asarray(dv).astype(np.float64))], axis=-1)
+    dqkv = cupy_rope.apply_qkv_rope_backward(dq, dk, dv, qf, kf, split, **kw)
+    assert dqkv.shape == qkv.shape and dqkv.flags.c_contiguous
+    assert_close_to_ref(dqkv, want, xin, 0, dtype, "numpy dqkv", scale=scale)
+    bplan = _plan.resolve_qkv_backward(info(dq), info(dk), info(dv), info(qf), info(kf), split, kw["layout"],
+                                       None, kw["interleaved"], info(kw.get("cu_seqlens")),
+                                       info(kw.get("start_positions")), kw["cp_size"], kw["cp_rank"])
+    hd = _hostkernels.run_qkv(bplan, (dq, dk, dv), qf, kf, kw.get("cu_seqlens"), kw.get("start_positions"))
+    assert_close_to_ref(hd, want, xin, 0, dtype, "host dqkv", scale=scale)

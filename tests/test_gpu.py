@@ -1,0 +1,198 @@
+"""GPU suite (H200): the spec matrix through CuPy and torch inputs, forward and backward,
+outputs poisoned before each launch, plus >2^31 elements, streams and CUDA graphs."""
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from cases import inputs, matrix
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref, term_scale
+
+pytestmark = pytest.mark.gpu
+CASES = matrix()
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def to_dev(a, fw):
+    if a is None:
+        return None
+    if fw == "cupy":
+        return _restride(_cupy().asarray(np.ascontiguousarray(a)), a, fw)
+    import torch
+
+    base = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16) \
+        if a.dtype.name == "bfloat16" else torch.from_numpy(np.ascontiguousarray(a))
+    return _restride(base.cuda(), a, fw)
+
+
+def _restride(dev_contig, a, fw):
+    """A device array with the logical values of ``a`` and, where possible, its stride pattern."""
+    if 0 in a.strides and a.size:
+        idx = tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)
+        small = np.ascontiguousarray(a[idx])
+        d = to_dev(small, fw)
+        return d.expand(*a.shape) if fw == "torch" else _cupy().broadcast_to(d, a.shape)
+    order = np.argsort([-abs(s) for s in a.strides], kind="stable")
+    if list(order) == list(range(a.ndim)):
+        return dev_contig
+    # allocate in a's memory order, then view back
+    perm = tuple(int(i) for i in order)
+    inv = tuple(int(i) for i in np.argsort(order))
+    if fw == "torch":
+        return dev_contig.permute(*perm).contiguous().permute(*inv)
+    return _cupy().ascontiguousarray(dev_contig.transpose(perm)).transpose(inv)
+
+
+def to_host(a, fw):
+    if fw == "cupy":
+        return _cupy().asnumpy(a)
+    import torch
+
+    a = a.detach().cpu()
+    if a.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return a.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return a.contiguous().numpy()
+
+
+def poison(shape, dtype, fw):
+    """Fill then free a block of the output's size, so the allocator hands back NaN memory."""
+    if fw == "cupy":
+        cp = _cupy()
+        t = cp.empty(shape, dtype)
+        t.view(np.uint8).fill(0xFF)
+        del t
+    else:
+        import torch
+
+        t = torch.empty(shape, dtype={"float32": torch.float32, "float16": torch.float16,
+                                      "bfloat16": torch.bfloat16}[np.dtype(dtype).name], device="cuda")
+        t.view(torch.uint8).fill_(0xFF)
+        del t
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
+def test_gpu_matrix(case, backward, fw):
+    x, freqs, kw = inputs(case)
+    dkw = {k: (to_dev(v, fw) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    fn = cupy_rope.apply_rope_backward if backward else cupy_rope.apply_rope
+    xd, fd = to_dev(x, fw), to_dev(freqs, fw)
+    poison(x.shape, x.dtype, fw)
+    y = fn(xd, fd, **dkw)
+    assert type(y) is type(xd)
+    ref = rope_ref(x, freqs, backward=backward, **kw)
+    assert_close_to_ref(to_host(y, fw), ref, x, freqs.shape[-1], case.dtype, case.id())
+    # explicit poisoned output with a transposed stride pattern
+    if case.layout != "thd":
+        out = to_dev(np.full(x.shape, np.nan, x.dtype).transpose(1, 0, 2, 3).copy().transpose(1, 0, 2, 3), fw)
+        r = fn(xd, fd, out=out, **dkw)
+        assert r is out
+        assert_close_to_ref(to_host(out, fw), ref, x, freqs.shape[-1], case.dtype, case.id() + " out=")
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+def test_gpu_qkv(fw):
+    from test_cpu_qkv import GRID, qkv_case
+
+    for i, (layout, g, n, d) in enumerate(GRID):
+        dtype, qkv, qf, kf, kw = qkv_case(i, layout, g, n, d)
+        dkw = {k: (to_dev(v, fw) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+        qd, qfd = to_dev(qkv, fw), to_dev(qf, fw)
+        kfd = qfd if kf is qf else to_dev(kf, fw)
+        poison(qkv.shape, qkv.dtype, fw)
+        q, k, v = cupy_rope.apply_qkv_rope(qd, qfd, kfd, (n * d, d, d), **dkw)
+        xq, xk, xv = qkv_split_ref(qkv, n, d)
+        assert_close_to_ref(to_host(q, fw), rope_ref(xq, qf, **kw), xq, qf.shape[-1], dtype, f"q {i}")
+        assert_close_to_ref(to_host(k, fw), rope_ref(xk, kf, **kw), xk, qf.shape[-1], dtype, f"k {i}")
+        np.testing.assert_array_equal(to_host(v, fw).astype(np.float64), xv.astype(np.float64))
+        lead = qkv.shape[:-2]
+        rng = np.random.default_rng(i)
+        from cases import strided
+
+        dq = strided(lead + (g * n, d), dtype, rng, ("contiguous", "zero_stride", "channel_stride")[i % 3])
+        dk = strided(lead + (g, d), dtype, rng, ("permuted", "contiguous", "zero_stride")[i % 3])
+        dv = strided(lead + (g, d), dtype, rng, "zero_stride" if i % 2 else "offset")
+        want = np.concatenate([rope_ref(dq, qf, backward=True, **kw).reshape(lead + (g, n * d)),
+                               rope_ref(dk, kf, backward=True, **kw), dv.astype(np.float64)], -1)
+        scale = np.concatenate([term_scale(dq, qf.shape[-1]).reshape(lead + (g, n * d)),
+                                term_scale(dk, qf.shape[-1]), np.abs(dv.astype(np.float64))], -1)
+        poison(qkv.shape, qkv.dtype, fw)
+        got = cupy_rope.apply_qkv_rope_backward(to_dev(dq, fw), to_dev(dk, fw), to_dev(dv, fw), qfd, kfd,
+                                                (n * d, d, d), **dkw)
+        assert_close_to_ref(to_host(got, fw), want, None, 0, dtype, f"dqkv {i}", scale=scale)
+
+
+def test_gpu_over_2_31_elements():
+    import torch
+
+    s, b, h, d = 8193, 4, 512, 128  # 2,147,745,792 elements > 2^31
+    assert s * b * h * d > 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.empty((s, b, h, d), dtype=torch.bfloat16, device="cuda")
+    x.uniform_(-1, 1, generator=g)
+    f = cupy_rope.rope_freqs(d, s, like=x)
+    y = cupy_rope.apply_rope(x, f)
+    torch.cuda.synchronize()
+    for sl in (slice(0, 2), slice(s - 2, s)):
+        xs = to_host(x[sl], "torch")
+        want = rope_ref(xs, to_host(f[sl], "torch"))
+        assert_close_to_ref(to_host(y[sl], "torch"), want, xs, d, "bfloat16", f"rows {sl}")
+    del y
+    gx = cupy_rope.apply_rope_backward(x[:, :, :1].expand(s, b, h, d), f)  # stride-0 heads, big
+    xs = to_host(x[s - 1:, :, :1].expand(1, b, h, d), "torch")
+    assert_close_to_ref(to_host(gx[s - 1:], "torch"), rope_ref(xs, to_host(f[s - 1:], "torch"), backward=True),
+                        xs, d, "bfloat16", "bwd last row")
+
+
+def test_gpu_torch_stream_and_graph():
+    import torch
+
+    x = torch.randn(64, 2, 8, 64, device="cuda", dtype=torch.float16)
+    f = cupy_rope.rope_freqs(64, 64, like=x)
+    ref = cupy_rope.apply_rope(x, f)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)
+        x2 = x * 1.0
+        y = cupy_rope.apply_rope(x2, f)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    # CUDA graph capture and replay with new data
+    static_x = x.clone()
+    cupy_rope.apply_rope(static_x, f)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = cupy_rope.apply_rope(static_x, f)
+    for _ in range(3):
+        new = torch.randn_like(x)
+        static_x.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(static_y, cupy_rope.apply_rope(new, f), rtol=0, atol=0)
+
+
+def test_gpu_cupy_stream():
+    cp = _cupy()
+    x = cp.random.standard_normal((32, 2, 4, 64), dtype=cp.float32)
+    f = cp.asarray(cupy_rope.rope_freqs(64, 32))
+    ref = cupy_rope.apply_rope(x, f)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        y = cupy_rope.apply_rope(x, f)
+    s.synchronize()
+    assert cp.array_equal(y, ref)
+
+
+def test_gpu_device_mismatch_error():
+    import torch
+
+    x = torch.randn(4, 1, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="freqs.*same device"):
+        cupy_rope.apply_rope(x, torch.from_numpy(cupy_rope.rope_freqs(64, 4)))
