@@ -26,7 +26,7 @@ def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, star
     Returns ``(p, in_seq)`` of shape ``lead_shape`` ((s, b), (b, s) or (t,)), int64 / bool.
     ``p`` is not yet checked against the table length (see :func:`table_mask`).
     """
-    i64 = xp.int64
+    i64 = np.int64 if xp is np else xp.asarray(0).dtype  # JAX: int64 only with x64 enabled
     if pos.layout == "thd":
         (t,) = lead_shape
         rows = xp.arange(t, dtype=i64)

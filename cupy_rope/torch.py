@@ -1,0 +1,219 @@
+"""PyTorch shim: differentiable RoPE ops that work under ``torch.compile`` and CUDA graphs.
+
+The ops are ``torch.library`` custom ops (``cupy_rope::rope``, ``cupy_rope::qkv_rope``,
+``cupy_rope::qkv_rope_backward``) with fake implementations and registered autograd. RoPE is
+linear in its input, so each op's gradient is the other direction's op: gradients of any
+order are exact. CUDA tensors run the CUDA kernels on torch's current stream, outputs come
+from torch's caching allocator; CPU tensors run the NumPy backend. The angle tables,
+``cu_seqlens`` and ``start_positions`` are not differentiated.
+
+Example::
+
+    import torch, cupy_rope.torch as crt
+    rope = crt.RotaryPositionEmbedding(128)
+    freqs = rope(4096).cuda()                                  # [4096, 1, 1, 128] float32
+    q = torch.randn(4096, 2, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = crt.apply_rope(q, freqs, "sbhd")
+    y.sum().backward()
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _api
+
+
+# ----------------------------------------------------------------------------- ops
+@torch.library.custom_op("cupy_rope::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, freqs: torch.Tensor, layout: str, interleaved: bool,
+             cu_seqlens: Optional[torch.Tensor], start_positions: Optional[torch.Tensor],
+             cp_size: int, cp_rank: int, backward: bool, transpose_output_memory: bool) -> torch.Tensor:
+    fn = _api.apply_rope_backward if backward else _api.apply_rope
+    return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
+              start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
+              transpose_output_memory=transpose_output_memory)
+
+
+@_rope_op.register_fake
+def _(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward,
+      transpose_output_memory):
+    if transpose_output_memory:
+        s, b, h, d = x.shape
+        return x.new_empty((b, s, h, d)).permute(1, 0, 2, 3)
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, _ = inputs
+    ctx.save_for_backward(freqs, cu, sp)
+    ctx.args = (layout, interleaved, cp_size, cp_rank, backward)
+
+
+def _rope_grad(ctx, grad):
+    freqs, cu, sp = ctx.saved_tensors
+    layout, interleaved, cp_size, cp_rank, backward = ctx.args
+    gx = _rope_op(grad, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, not backward, False)
+    return gx, None, None, None, None, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
+@torch.library.custom_op("cupy_rope::qkv_rope", mutates_args=())
+def _qkv_op(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, split: Sequence[int],
+            layout: str, interleaved: bool, cu_seqlens: Optional[torch.Tensor],
+            start_positions: Optional[torch.Tensor], cp_size: int,
+            cp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _api.apply_qkv_rope(qkv, q_freqs, k_freqs, tuple(split), layout, interleaved=interleaved,
+                                  cu_seqlens=cu_seqlens, start_positions=start_positions,
+                                  cp_size=cp_size, cp_rank=cp_rank)
+    return q, k, v
+
+
+@_qkv_op.register_fake
+def _(qkv, q_freqs, k_freqs, split, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank):
+    q_size, k_size, _ = split
+    lead, g = tuple(qkv.shape[:-2]), qkv.shape[-2]
+    return (qkv.new_empty(lead + (g * (q_size // k_size), k_size)), qkv.new_empty(lead + (g, k_size)),
+            qkv.new_empty(lead + (g, k_size)))
+
+
+@torch.library.custom_op("cupy_rope::qkv_rope_backward", mutates_args=())
+def _qkv_bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_freqs: torch.Tensor,
+                k_freqs: torch.Tensor, split: Sequence[int], layout: str, interleaved: bool,
+                cu_seqlens: Optional[torch.Tensor], start_positions: Optional[torch.Tensor],
+                cp_size: int, cp_rank: int) -> torch.Tensor:
+    return _api.apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, tuple(split), layout,
+                                        interleaved=interleaved, cu_seqlens=cu_seqlens,
+                                        start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+
+
+@_qkv_bwd_op.register_fake
+def _(dq, dk, dv, q_freqs, k_freqs, split, layout, interleaved, cu_seqlens, start_positions, cp_size,
+      cp_rank):
+    return dq.new_empty(tuple(dq.shape[:-2]) + (dk.shape[-2], sum(split)))
+
+
+def _qkv_setup(ctx, inputs, output):
+    _, qf, kf, split, layout, il, cu, sp, cp_size, cp_rank = inputs
+    ctx.save_for_backward(qf, kf, cu, sp)
+    ctx.args = (tuple(split), layout, il, cp_size, cp_rank)
+
+
+def _qkv_grad(ctx, dq, dk, dv):
+    qf, kf, cu, sp = ctx.saved_tensors
+    split, layout, il, cp_size, cp_rank = ctx.args
+    g = _qkv_bwd_op(dq, dk, dv, qf, kf, split, layout, il, cu, sp, cp_size, cp_rank)
+    return g, None, None, None, None, None, None, None, None, None
+
+
+def _qkv_bwd_setup(ctx, inputs, output):
+    _, _, _, qf, kf, split, layout, il, cu, sp, cp_size, cp_rank = inputs
+    ctx.save_for_backward(qf, kf, cu, sp)
+    ctx.args = (tuple(split), layout, il, cp_size, cp_rank)
+
+
+def _qkv_bwd_grad(ctx, g):
+    qf, kf, cu, sp = ctx.saved_tensors
+    split, layout, il, cp_size, cp_rank = ctx.args
+    q, k, v = _qkv_op(g, qf, kf, split, layout, il, cu, sp, cp_size, cp_rank)
+    return (q, k, v) + (None,) * 9
+
+
+_qkv_op.register_autograd(_qkv_grad, setup_context=_qkv_setup)
+_qkv_bwd_op.register_autograd(_qkv_bwd_grad, setup_context=_qkv_bwd_setup)
+
+
+# ----------------------------------------------------------------------------- public
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, interleaved: bool = False,
+               cu_seqlens: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
+               cp_size: int = 1, cp_rank: int = 0, out: Optional[torch.Tensor] = None,
+               transpose_output_memory: bool = False) -> torch.Tensor:
+    """Differentiable :func:`cupy_rope.apply_rope` for torch tensors (CUDA or CPU).
+
+    Shapes, dtypes and keywords as :func:`cupy_rope.apply_rope`. Differentiable with respect
+    to ``x`` only (``freqs`` is not differentiated). ``out=`` is not differentiable: it raises
+    when ``x`` requires grad under autograd.
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+        >>> x = torch.randn(16, 2, 4, 64, requires_grad=True)
+        >>> crt.apply_rope(x, f).sum().backward(); x.grad.shape
+        torch.Size([16, 2, 4, 64])
+    """
+    if out is not None:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise ValueError("cupy_rope.torch.apply_rope: `out`: expected None when `x` requires grad "
+                             "(an explicit output is not differentiable), got a tensor")
+        return _api.apply_rope(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
+                               start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out=out)
+    return _rope_op(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, False,
+                    transpose_output_memory)
+
+
+def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", **kw) -> torch.Tensor:
+    """Differentiable :func:`cupy_rope.apply_rope_backward` (its gradient is the forward)."""
+    return _rope_op(grad, freqs, layout, kw.get("interleaved", False), kw.get("cu_seqlens"),
+                    kw.get("start_positions"), kw.get("cp_size", 1), kw.get("cp_rank", 0), True,
+                    kw.get("transpose_output_memory", False))
+
+
+def _split(qkv_last: int, groups: int, split, num_q_heads):
+    from ._plan import qkv_heads
+
+    n, d = qkv_heads(split, num_q_heads, groups, qkv_last, "qkv")
+    return [n * d, d, d]
+
+
+def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, split=None,
+                   layout: str = "sbhd", *, num_q_heads: Optional[int] = None, interleaved: bool = False,
+                   cu_seqlens: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
+                   cp_size: int = 1, cp_rank: int = 0):
+    """Differentiable :func:`cupy_rope.apply_qkv_rope`: ``(q, k, v)``, gradient to ``qkv``.
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 8))
+        >>> qkv = torch.randn(8, 1, 2, 6 * 64, requires_grad=True)
+        >>> q, k, v = crt.apply_qkv_rope(qkv, f, f, split=(256, 64, 64))
+        >>> (q.sum() + k.sum() + v.sum()).backward(); qkv.grad.shape
+        torch.Size([8, 1, 2, 384])
+    """
+    sp = _split(qkv.shape[-1], qkv.shape[-2], split, num_q_heads) if qkv.dim() >= 2 else list(split)
+    return _qkv_op(qkv, q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions,
+                   cp_size, cp_rank)
+
+
+# ----------------------------------------------------------------------------- module
+class RotaryPositionEmbedding(torch.nn.Module):
+    """TransformerEngine's ``RotaryPositionEmbedding``: ``forward(max_seq_len, offset=0)``
+    returns the ``[max_seq_len, 1, 1, d2]`` float32 angle table on the module's device
+    (see :func:`cupy_rope.rope_freqs`; spec section 2).
+
+    Example:
+        >>> import cupy_rope.torch as crt
+        >>> crt.RotaryPositionEmbedding(128, rotary_percent=0.5)(16).shape
+        torch.Size([16, 1, 1, 64])
+    """
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0, seq_len_interpolation_factor=None,
+                 pretrained_max_position_embeddings=None, rotary_base: float = 10000.0,
+                 interleaved: bool = False):
+        super().__init__()
+        self.dim, self.rotary_percent = dim, rotary_percent
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        self.rotary_base, self.interleaved = rotary_base, interleaved
+        _api.rope_freqs(dim, 0, rotary_percent=rotary_percent, base=rotary_base)  # validate now
+        self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        return _api.rope_freqs(self.dim, max_seq_len, rotary_percent=self.rotary_percent,
+                               base=self.rotary_base, interleaved=self.interleaved,
+                               seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+                               pretrained_max_position_embeddings=self.pretrained_max_position_embeddings,
+                               offset=offset, like=self._device_anchor)

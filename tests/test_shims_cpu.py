@@ -1,0 +1,200 @@
+"""Framework shims on the CPU: torch custom ops (gradcheck, opcheck, torch.compile), JAX
+(jit, grad against a pure-jnp reference, vmap), TE drop-in (against the reference)."""
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from reference import assert_close_to_ref, rope_ref
+
+torch = pytest.importorskip("torch")
+
+
+def _f(d2, S, dtype=torch.float64):
+    return torch.from_numpy(np.random.default_rng(S).uniform(-6, 6, (S, 1, 1, d2)).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_torch_autograd_matches_reference(layout, interleaved):
+    import cupy_rope.torch as crt
+
+    rng = np.random.default_rng(0)
+    f = _f(48, 40)
+    kw = dict(layout=layout, interleaved=interleaved, cp_size=2, cp_rank=1)
+    if layout == "thd":
+        shape = (14, 3, 64)
+        kw["cu_seqlens"] = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
+    else:
+        shape = (4, 2, 3, 64) if layout == "sbhd" else (2, 4, 3, 64)
+    kw["start_positions"] = torch.tensor([3, 1, 0], dtype=torch.int64)
+    x = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).requires_grad_()
+    y = crt.apply_rope(x, f, **kw)
+    g = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32))
+    y.backward(g)
+    nkw = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    assert_close_to_ref(y.detach().numpy(), rope_ref(x.detach().numpy(), f.numpy(), **nkw), x.detach().numpy(), 48, "float32")
+    assert_close_to_ref(x.grad.numpy(), rope_ref(g.numpy(), f.numpy(), backward=True, **nkw), g.numpy(), 48, "float32")
+    # the backward is the exact transpose: <y(x), g> == <x, y^T(g)>
+    lhs = (y.detach().double() * g.double()).sum()
+    rhs = (x.detach().double() * x.grad.double()).sum()
+    assert abs(float(lhs - rhs)) < 1e-4 * float(abs(lhs)) + 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:Input #")
+def test_torch_gradcheck_and_double_backward():
+    """Kernels take float32 at most (spec 1): a float32 gradcheck with finite-difference tolerances."""
+    import cupy_rope.torch as crt
+
+    f = _f(32, 8)
+    x = torch.randn(8, 2, 2, 32, dtype=torch.float32, requires_grad=True)
+    # float32 kernel path: compare the Jacobian-vector products against finite differences loosely
+    torch.autograd.gradcheck(lambda t: crt.apply_rope(t, f), (x,), eps=1e-2, atol=1e-2, rtol=1e-2)
+    torch.autograd.gradgradcheck(lambda t: crt.apply_rope(t, f, interleaved=True), (x,), eps=1e-2, atol=1e-2, rtol=1e-2)
+
+
+def test_torch_opcheck():
+    import cupy_rope.torch as crt  # noqa: F401
+
+    f = _f(32, 8)
+    x = torch.randn(8, 2, 2, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.cupy_rope.rope.default, (x, f, "sbhd", False, None, None, 1, 0, False, False))
+    qkv = torch.randn(8, 1, 2, 6 * 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.cupy_rope.qkv_rope.default, (qkv, f, f, [128, 32, 32], "sbhd", False, None, None, 1, 0))
+    dq, dk, dv = torch.randn(8, 1, 8, 32), torch.randn(8, 1, 2, 32), torch.randn(8, 1, 2, 32)
+    torch.library.opcheck(torch.ops.cupy_rope.qkv_rope_backward.default,
+                          (dq, dk, dv, f, f, [128, 32, 32], "sbhd", False, None, None, 1, 0))
+
+
+def test_torch_compile_fullgraph():
+    import cupy_rope.torch as crt
+
+    f = _f(32, 16)
+
+    def block(x, qkv):
+        q, k, v = crt.apply_qkv_rope(qkv, f, f, split=(64, 32, 32))
+        return crt.apply_rope(x, f, "bshd").square().sum() + (q * 2).sum() + k.sum() + v.sum()
+
+    x = torch.randn(2, 16, 4, 32, requires_grad=True)
+    qkv = torch.randn(2, 16, 2, 4 * 32, requires_grad=True)
+    # sbhd for the qkv call: shape [s=2, b=16, g=2, ...]
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x, qkv)
+    out.backward()
+    gx, gq = x.grad.clone(), qkv.grad.clone()
+    x.grad = None
+    qkv.grad = None
+    block(x, qkv).backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gq, qkv.grad)
+
+
+def test_torch_qkv_autograd_vs_separate():
+    import cupy_rope.torch as crt
+
+    f, kf = _f(32, 12), _f(32, 13)
+    qkv = torch.randn(6, 2, 2, 5 * 32, requires_grad=True)
+    sp = torch.tensor([1, 2], dtype=torch.int32)
+    q, k, v = crt.apply_qkv_rope(qkv, f, kf, num_q_heads=6, start_positions=sp)
+    (q.sum() * 3 + (k * k).sum() + v.sum()).backward()
+    x = qkv.detach().clone().requires_grad_()
+    q2 = crt.apply_rope(x[..., :96].reshape(6, 2, 6, 32), f, start_positions=sp)
+    k2 = crt.apply_rope(x[..., 96:128], kf, start_positions=sp)
+    (q2.sum() * 3 + (k2 * k2).sum() + x[..., 128:].sum()).backward()
+    torch.testing.assert_close(q, q2)
+    torch.testing.assert_close(qkv.grad, x.grad)
+
+
+def test_rotary_module():
+    import cupy_rope.torch as crt
+
+    m = crt.RotaryPositionEmbedding(128, rotary_percent=0.5, rotary_base=500000.0, interleaved=True)
+    t = m(64, offset=3)
+    assert t.shape == (64, 1, 1, 64) and t.dtype == torch.float32
+    np.testing.assert_array_equal(t.numpy(), cupy_rope.rope_freqs(128, 64, rotary_percent=0.5, base=500000.0,
+                                                                    interleaved=True, offset=3))
+
+
+def test_te_dropin_matches_reference():
+    from cupy_rope import te
+
+    rng = np.random.default_rng(4)
+    f = _f(64, 48)
+    for fmt in ("sbhd", te.NVTE_QKV_Format.NVTE_BSHD, "thd"):
+        if fmt == "thd":
+            x = torch.from_numpy(rng.uniform(-1, 1, (30, 4, 64)).astype(np.float32))
+            cu = torch.tensor([0, 8, 16, 32], dtype=torch.int32)
+            lay = "thd"
+        else:
+            lay = fmt if isinstance(fmt, str) else "bshd"
+            x = torch.from_numpy(rng.uniform(-1, 1, (8, 2, 4, 64)).astype(np.float32))
+            cu = None
+        sp = torch.tensor([2, 0, 1, 3, 0, 1, 2, 0], dtype=torch.int32)
+        y = te.fused_rope_forward(x, f, sp, fmt, False, cu, 2, 1)
+        g = te.fused_rope_backward(x, f, sp, fmt, True, cu, 2, 0)
+        kw = dict(layout=lay, start_positions=sp.numpy(), cp_size=2,
+                  cu_seqlens=None if cu is None else cu.numpy())
+        assert_close_to_ref(y.numpy(), rope_ref(x.numpy(), f.numpy(), cp_rank=1, **kw), x.numpy(), 64, "float32")
+        assert_close_to_ref(g.numpy(), rope_ref(x.numpy(), f.numpy(), cp_rank=0, interleaved=True, backward=True, **kw),
+                            x.numpy(), 64, "float32")
+    qkv = torch.from_numpy(rng.uniform(-1, 1, (4, 2, 2, 6 * 32)).astype(np.float32))
+    f32 = torch.from_numpy(cupy_rope.rope_freqs(32, 8))  # standard table: a rotation
+    q, k, v = te.fused_qkv_rope_forward(qkv, f32, f32, None, [128, 32, 32], "sbhd", False, 1, 0)
+    assert q.shape == (4, 2, 8, 32) and k.shape == (4, 2, 2, 32) and q.is_contiguous()
+    d = te.fused_qkv_rope_backward(q, k, v, f32, f32, [128, 32, 32], "sbhd", False, 1, 0)
+    torch.testing.assert_close(d, qkv, rtol=1e-5, atol=1e-5)  # rotation then its transpose
+    d2 = te.fused_qkv_rope_backward(q, k, v, f32, f32, [128, 32, 32], "sbhd", False, 1, 0,
+                                    start_positions=torch.tensor([0, 0], dtype=torch.int32))
+    torch.testing.assert_close(d2, d)
+
+
+jax = pytest.importorskip("jax")
+
+
+def test_jax_jit_grad_vmap_cpu():
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(5)
+    f = jnp.asarray(rng.uniform(-5, 5, (24, 1, 1, 32)).astype(np.float32))
+    x = jnp.asarray(rng.uniform(-1, 1, (8, 2, 3, 48)).astype(np.float32))
+    sp = jnp.asarray(np.array([1, 3], np.int32))
+
+    def loss(x):
+        return (crj.apply_rope(x, f, "sbhd", start_positions=sp, cp_size=2, cp_rank=1) ** 2).sum()
+
+    def ref_rope(x):  # pure jnp, straight from the spec
+        pos = np.arange(4, 12)[:, None] + np.asarray(sp)[None, :]  # rank 1 of 2: chunks 1 and 2 of 4
+        th = f.reshape(24, 32)[pos][:, :, None, :]
+        x1, x2 = x[..., :16], x[..., 16:32]
+        rot = jnp.concatenate([-x2, x1], -1)
+        return jnp.concatenate([x[..., :32] * jnp.cos(th) + rot * jnp.sin(th), x[..., 32:]], -1)
+
+    y = jax.jit(lambda x: crj.apply_rope(x, f, "sbhd", start_positions=sp, cp_size=2, cp_rank=1))(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref_rope(x)), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(loss))(x)
+    gr = jax.grad(lambda x: (ref_rope(x) ** 2).sum())(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-4, atol=1e-4)
+    yv = jax.vmap(lambda x: crj.apply_rope(x, f, "thd", cu_seqlens=jnp.array([0, 4, 8], jnp.int32)))(x.reshape(2, 8, 3, 48)[:, :, :, :])
+    assert yv.shape == (2, 8, 3, 48)
+    # top-level API with a JAX CPU array returns a JAX array
+    y2 = cupy_rope.apply_rope(x, f, start_positions=sp, cp_size=2, cp_rank=1)
+    assert isinstance(y2, jax.Array)
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
+def test_jax_qkv_cpu():
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(6)
+    f = jnp.asarray(rng.uniform(-5, 5, (8, 1, 1, 32)).astype(np.float32))
+    qkv = jnp.asarray(rng.uniform(-1, 1, (8, 1, 2, 5 * 32)).astype(np.float32))
+    q, k, v = jax.jit(lambda a: crj.apply_qkv_rope(a, f, f, num_q_heads=6))(qkv)
+    qn, kn, vn = cupy_rope.apply_qkv_rope(np.asarray(qkv), np.asarray(f), np.asarray(f), num_q_heads=6)
+    np.testing.assert_allclose(np.asarray(q), qn, rtol=1e-6, atol=1e-6)
+    g = jax.grad(lambda a: sum(t.sum() for t in crj.apply_qkv_rope(a, f, f, split=(96, 32, 32))))(qkv)
+    gn = cupy_rope.apply_qkv_rope_backward(np.ones_like(qn), np.ones_like(kn), np.ones_like(vn), np.asarray(f), np.asarray(f))
+    np.testing.assert_allclose(np.asarray(g), gn, rtol=1e-5, atol=1e-5)
