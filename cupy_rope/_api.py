@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 
@@ -80,6 +81,15 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         fn = cj.apply_rope_backward if backward else cj.apply_rope
         return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+    fast_key = None
+    kind = _quick_kind(x)
+    if kind is not None and not _DEBUG[0]:
+        opts = tuple((type(v), v) for v in (backward, layout, interleaved, cp_size, cp_rank,
+                                            transpose_output_memory))
+        y, fast_key = _fast_rope(kind, dict(x=x, freqs=freqs, cu_seqlens=cu_seqlens,
+                                            start_positions=start_positions, out=out), opts)
+        if y is not None:
+            return y
     args = _Args(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions, out=out)
     xi = args.infos["x"]
     plan = _plan.resolve_rope(xi, args.infos["freqs"], layout, interleaved, args.infos["cu_seqlens"],
@@ -111,7 +121,96 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
                                                 args.infos["start_positions"], _launch.sm_count(dev))
         _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
+        if fast_key is not None and (out is not None or yi.ptr % 16 == 0):
+            _launch_cache_put(fast_key, (name, grid, block, params, plan.shape, plan.transpose_output))
     return y
+
+
+# ----------------------------------------------------------------------------- launch cache
+# Repeated calls with the same shapes, strides, dtypes, devices, options and pointer alignment
+# reuse the resolved launch (validated on the first call) and only patch the addresses: the
+# per-call host cost is then a few microseconds (decode-sized calls are host-bound).
+_CACHE: dict = {}
+_CACHE_MAX = 4096
+_SLOT_ORDER = ("x", "freqs", "cu_seqlens", "start_positions")
+
+
+def _desc(a, kind):
+    """(layout of the array without its address, address) for the launch-cache key."""
+    if a is None:
+        return None, 0
+    if kind == "torch":
+        p = a.data_ptr()
+        return (tuple(a.shape), a.stride(), a.dtype, a.device, p % 16, a.requires_grad), p
+    p = a.data.ptr
+    return (a.shape, a.strides, a.dtype, a.device.id, p % 16), p
+
+
+def _quick_kind(a):
+    mod = type(a).__module__
+    if mod.startswith("torch") and type(a).__name__ == "Tensor":
+        return "torch" if a.is_cuda else None
+    if mod.startswith("cupy") and type(a).__name__ == "ndarray":
+        return "cupy"
+    return None
+
+
+def _launch_cache_put(key, value):
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = value
+
+
+def _fast_rope(kind, arrays, opts):
+    """Launch from the cache; returns (result, key). result None on a miss."""
+    descs, ptrs = [], []
+    for name in ("x", "freqs", "cu_seqlens", "start_positions", "out"):
+        a = arrays[name]
+        k = kind if a is None or _quick_kind(a) == kind else None
+        if k is None:
+            return None, None
+        d, p = _desc(a, kind)
+        descs.append(d)
+        ptrs.append(p)
+    key = (kind, opts, tuple(descs))
+    hit = _CACHE.get(key)
+    if hit is None:
+        return None, key
+    name, grid, block, params, shape, transposed = hit
+    x, out = arrays["x"], arrays["out"]
+    if out is not None:
+        y, yptr = out, ptrs[4]
+    else:
+        if kind == "torch":
+            import torch
+
+            if transposed:
+                s, b, h, d = shape
+                y = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device).permute(1, 0, 2, 3)
+            else:
+                y = torch.empty(shape, dtype=x.dtype, device=x.device)
+            yptr = y.data_ptr()
+        else:
+            import cupy
+
+            with cupy.cuda.Device(x.device.id):
+                if transposed:
+                    s, b, h, d = shape
+                    y = cupy.empty((b, s, h, d), dtype=x.dtype).transpose(1, 0, 2, 3)
+                else:
+                    y = cupy.empty(shape, dtype=x.dtype)
+            yptr = y.data.ptr
+        if yptr % 16:
+            return None, key
+    buf = bytearray(params)
+    slots = _plan.ROPE_PTR_SLOTS
+    for nm, p in zip(_SLOT_ORDER, ptrs):
+        if p:
+            struct.pack_into("<q", buf, 8 * slots[nm], p)
+    struct.pack_into("<q", buf, 8 * slots["y"], yptr)
+    dev = x.device.index if kind == "torch" else x.device.id
+    _launch.launch(name, grid, block, bytes(buf), _interop.current_stream(kind, dev), dev)
+    return y, key
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,

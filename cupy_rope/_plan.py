@@ -279,6 +279,10 @@ QKV_FIELDS = (
 )
 POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "start_positions", "sp_is64",
               "cp_size", "cp_rank")
+# 64-bit slot of each address in the packed rope parameters (patched by the launch cache)
+ROPE_PTR_SLOTS = {"x": 0, "y": 1, "freqs": 2,
+                  "cu_seqlens": len(ROPE_FIELDS) + POS_FIELDS.index("cu_seqlens"),
+                  "start_positions": len(ROPE_FIELDS) + POS_FIELDS.index("start_positions")}
 
 
 @dataclass
