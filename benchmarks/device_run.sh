@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One H200 session step: GPU suite, then benchmarks (and tuning variants given as
+# "NAME:ENV=VAL,ENV=VAL" arguments). Output files go to $OUT.
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CUPY_CACHE_DIR=/tmp/cupy_cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+MODE=${MODE:-all}
+if [[ $MODE == *tests* || $MODE == all ]]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -25
+fi
+if [[ $MODE == *bench* || $MODE == all ]]; then
+  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/run.py ${BENCH_ARGS:---quick --no-peers} --json "$OUT/bench.json" --md "$OUT/bench.md" 2>&1 | tail -30
+fi
+for v in "$@"; do
+  name=${v%%:*}; envs=${v#*:}
+  echo "== variant $name ($envs)"
+  env $(echo "$envs" | tr ',' ' ') timeout ${VAR_TIMEOUT:-60} python3 benchmarks/run.py --quick --no-peers --rows ${VAR_ROWS:-1,2,4,5,6,9} \
+    --json "$OUT/var_$name.json" 2>&1 | grep "^|" | head -8
+done

@@ -1,0 +1,503 @@
+"""Benchmark suite (GPU): cupy_rope against a device-to-device copy of the same bytes and
+against its peers, per shape, forward and backward.
+
+    python -m cupy_rope bench [--quick] [--json FILE] [--md FILE] [--rows 1,2,...] [--no-peers]
+    python benchmarks/run.py ...              (same)
+
+* **device** time: CUDA-graph replay of many launches over rotating input buffers (together
+  several times the 60 MB L2), divided by the launch count: the kernel alone.
+* **eager** time: wall time of many back-to-back Python calls, one synchronisation at the end,
+  divided by the call count: what a training step outside a graph sees (host work hidden
+  behind the kernel when the kernel is longer).
+* **copy**: ``dst.copy_(src)`` of a buffer holding the bytes the operation must move
+  (input read once, output written once, the angle rows used once), timed the same way.
+* peers, each in its native layout, checked against cupy_rope's result first (``WRONG`` if
+  not within bf16 tolerance, then not timed): torch eager (TE/HF unfused formula with cos/sin
+  pre-cast to the input dtype and pre-gathered per token), ``torch.compile`` of the same
+  function, JAX ``jit`` of the jnp formula, Liger-Kernel (``rope_forward``/``rope_backward``)
+  where installed. A peer that cannot express a row prints ``n/a``. Peers' backward is their
+  own backward (Liger) or the transposed formula (sin negated; exact for standard tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+L2_BYTES = 60 * 2**20
+
+
+# ----------------------------------------------------------------------------- timing
+def graph_time(fns, reps=15):
+    """Median device µs per function call, from CUDA-graph replays of ``fns`` in order."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(fns))
+    del g
+    return float(np.median(times))
+
+
+def event_time(fns, reps=7):
+    """Median device µs per call from events around back-to-back launches (no graph)."""
+    import torch
+
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for fn in fns:
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(fns))
+    return float(np.median(times))
+
+
+def eager_time(fns, rounds=5, sync=None):
+    """Median wall µs per call of back-to-back calls, one synchronisation per round.
+
+    ``sync(last_result)`` waits for the work (default: ``torch.cuda.synchronize``)."""
+    import torch
+
+    sync = sync or (lambda _: torch.cuda.synchronize())
+    last = None
+    for fn in fns:
+        last = fn()
+    sync(last)
+    res = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for fn in fns:
+            last = fn()
+        sync(last)
+        res.append((time.perf_counter() - t) * 1e6 / len(fns))
+    return float(np.median(res))
+
+
+def _jax_sync(last):
+    import jax
+
+    jax.block_until_ready(last)
+
+
+# ----------------------------------------------------------------------------- problems
+SHAPES = [
+    (1, "sbhd 4096x2x32x128", dict(layout="sbhd", shape=(4096, 2, 32, 128))),
+    (2, "bshd 2x8192x8x128", dict(layout="bshd", shape=(2, 8192, 8, 128))),
+    (3, "thd 32768 tok/16 seq h32", dict(layout="thd", tokens=32768, nseq=16, heads=32, d=128)),
+    (4, "thd 65536 tok/1024 seq h16", dict(layout="thd", tokens=65536, nseq=1024, heads=16, d=128)),
+    (5, "sbhd d2=64 interleaved", dict(layout="sbhd", shape=(4096, 2, 32, 128), d2=64, interleaved=True)),
+    (6, "sbhd 2048x4x16x64 fp32", dict(layout="sbhd", shape=(2048, 4, 16, 64), dtype="float32")),
+    (7, "sbhd 4096x2x32x80", dict(layout="sbhd", shape=(4096, 2, 32, 80))),
+    (8, "sbhd cp_size=4 rank 1", dict(layout="sbhd", shape=(4096, 2, 32, 128), cp=(4, 1))),
+    (9, "QKV sbhd 8 grp x 4 q", dict(layout="sbhd", qkv=(4096, 2, 8, 4, 128))),
+    (10, "decode bshd 64x1x32x128", dict(layout="bshd", shape=(64, 1, 32, 128), decode=True)),
+]
+
+
+class Problem:
+    """Rotating inputs, the angle table and keyword arguments for one row (torch tensors)."""
+
+    def __init__(self, spec, nbuf=None):
+        import torch
+
+        import cupy_rope
+
+        self.spec = spec
+        dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec.get("dtype", "bfloat16")]
+        self.dtype = dt
+        dev = "cuda"
+        g = torch.Generator(device=dev).manual_seed(0)
+        kw = dict(layout=spec["layout"], interleaved=spec.get("interleaved", False))
+        self.qkv = spec.get("qkv")
+        anchor = torch.empty(0, device=dev)
+        if self.qkv:
+            s, b, grp, n, d = self.qkv
+            shape = (s, b, grp, (n + 2) * d)
+            self.split = (n * d, d, d)
+            f = cupy_rope.rope_freqs(d, s, like=anchor)
+            self.positions = torch.arange(s, device=dev)[:, None].expand(s, b)
+        elif spec["layout"] == "thd":
+            tok, nseq, h, d = spec["tokens"], spec["nseq"], spec["heads"], spec["d"]
+            rng = np.random.default_rng(0)
+            w = rng.uniform(0.2, 1.8, nseq)
+            lens = np.floor(w / w.sum() * tok).astype(np.int64)
+            lens[-1] += tok - lens.sum()
+            cu = np.concatenate([[0], np.cumsum(lens)])
+            kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=dev)
+            shape = (tok, h, d)
+            f = cupy_rope.rope_freqs(d, int(lens.max()), like=anchor)
+            self.positions = torch.tensor(np.concatenate([np.arange(n) for n in lens]), device=dev)
+        else:
+            shape = spec["shape"]
+            cp_size, cp_rank = spec.get("cp", (1, 0))
+            kw.update(cp_size=cp_size, cp_rank=cp_rank)
+            d = shape[-1]
+            d2 = spec.get("d2", d)
+            s = shape[0] if spec["layout"] == "sbhd" else shape[1]
+            b = shape[1] if spec["layout"] == "sbhd" else shape[0]
+            rows = s * cp_size
+            j = np.arange(s)
+            if cp_size > 1:
+                c = s // 2
+                j = np.where(j < c, j + cp_rank * c, (2 * cp_size - 1 - cp_rank) * c + j - c)
+            pos = np.broadcast_to(j[:, None], (s, b)).copy()
+            if spec.get("decode"):
+                sp = torch.randint(0, 4000, (b,), dtype=torch.int32, device=dev)
+                kw["start_positions"] = sp
+                rows = 4096
+                pos = pos + sp.cpu().numpy()[None, :]
+            if spec["layout"] == "bshd":
+                pos = pos.T
+            self.positions = torch.tensor(pos, device=dev)
+            f = cupy_rope.rope_freqs(d2, rows, like=anchor, interleaved=kw["interleaved"])
+        self.shape, self.freqs, self.kw = shape, f, kw
+        esz = torch.tensor([], dtype=dt).element_size()
+        per = math.prod(shape) * esz
+        self.nbuf = nbuf or max(2, min(16, math.ceil(3 * L2_BYTES / max(per, 1))))
+        self.xs = [torch.empty(shape, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(self.nbuf)]
+        n_tok = math.prod(shape[:-2])
+        self.bytes = 2 * per + min(f.numel(), n_tok * f.shape[-1]) * 4
+        self.per = per
+
+
+def _ours(p, direction, fw):
+    """List-of-callables factory for cupy_rope on rotating buffers through entry point ``fw``."""
+    import torch
+
+    import cupy_rope
+
+    conv = (lambda t: t)
+    if fw == "cupy":
+        import cupy
+
+        conv = cupy.from_dlpack
+    elif fw == "jax":
+        import jax
+        import jax.dlpack
+
+        import cupy_rope.jax as crj
+
+        conv = jax.dlpack.from_dlpack
+        jf, jkw = conv(p.freqs), {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in p.kw.items()}
+        arrays = {k: v for k, v in jkw.items() if not isinstance(v, (bool, int, str))}
+        static = {k: v for k, v in jkw.items() if isinstance(v, (bool, int, str))}
+        xs = [conv(x) for x in p.xs]
+        if p.qkv:
+            if direction == "bwd":
+                raise NotImplementedError("JAX QKV backward row not timed")
+            fn = jax.jit(lambda x, f, a: crj.apply_qkv_rope(x, f, f, p.split, **static, **a))
+        else:
+            api = crj.apply_rope if direction == "fwd" else crj.apply_rope_backward
+            fn = jax.jit(lambda x, f, a: api(x, f, **static, **a))
+        return lambda i: fn(xs[i], jf, arrays)
+    f = conv(p.freqs)
+    kw = {k: (conv(v) if isinstance(v, torch.Tensor) else v) for k, v in p.kw.items()}
+    if p.qkv:
+        if direction == "fwd":
+            xs = [conv(x) for x in p.xs]
+            fn = cupy_rope.apply_qkv_rope
+            return lambda i: fn(xs[i], f, f, p.split, **kw)
+        q, k, v = cupy_rope.apply_qkv_rope(p.xs[0], p.freqs, p.freqs, p.split, **p.kw)
+        grads = [tuple(conv(torch.empty_like(t).uniform_(-1, 1)) for t in (q, k, v)) for _ in range(p.nbuf)]
+        return lambda i: cupy_rope.apply_qkv_rope_backward(*grads[i], f, f, p.split, **kw)
+    xs = [conv(x) for x in p.xs]
+    fn = cupy_rope.apply_rope if direction == "fwd" else cupy_rope.apply_rope_backward
+    return lambda i: fn(xs[i], f, **kw)
+
+
+# ----------------------------------------------------------------------------- peers
+def _cos_sin(p):
+    """Per-token cos/sin, pre-gathered and pre-cast to the input dtype (HF/TE unfused)."""
+    f = p.freqs.reshape(p.freqs.shape[0], -1)
+    ang = f[p.positions]  # token dims + (d2,)
+    return ang.cos().to(p.dtype).unsqueeze(-2), ang.sin().to(p.dtype).unsqueeze(-2)
+
+
+def torch_formula(x, cos, sin, interleaved):
+    import torch
+
+    d2 = cos.shape[-1]
+    xr = x[..., :d2]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack([-x2, x1], -1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : d2 // 2], xr[..., d2 // 2:]
+        rot = torch.cat([-x2, x1], -1)
+    y = xr * cos + rot * sin
+    return torch.cat([y, x[..., d2:]], -1) if d2 < x.shape[-1] else y
+
+
+def _peer_fns(p, direction):
+    """{peer name: (callable(i) or None for n/a)} for the torch-side peers."""
+    import torch
+
+    out = {}
+    if p.qkv:
+        return {"torch eager": None, "torch.compile": None, "JAX jit": None, "Liger": None}
+    cos, sin = _cos_sin(p)
+    if direction == "bwd":
+        sin = -sin
+    il = p.kw["interleaved"]
+    out["torch eager"] = lambda i: torch_formula(p.xs[i], cos, sin, il)
+    compiled = torch.compile(torch_formula, dynamic=False)
+    out["torch.compile"] = lambda i: compiled(p.xs[i], cos, sin, il)
+    try:
+        import jax
+        import jax.dlpack
+        import jax.numpy as jnp
+
+        jc, js = jax.dlpack.from_dlpack(cos), jax.dlpack.from_dlpack(sin)
+        jxs = [jax.dlpack.from_dlpack(x) for x in p.xs]
+
+        @jax.jit
+        def jf(x, c, s):
+            d2 = c.shape[-1]
+            xr = x[..., :d2]
+            if il:
+                x1, x2 = xr[..., 0::2], xr[..., 1::2]
+                rot = jnp.stack([-x2, x1], -1).reshape(xr.shape)
+            else:
+                rot = jnp.concatenate([-xr[..., d2 // 2:], xr[..., : d2 // 2]], -1)
+            y = xr * c + rot * s
+            return jnp.concatenate([y, x[..., d2:]], -1) if d2 < x.shape[-1] else y
+
+        out["JAX jit"] = ("jax", lambda i: jf(jxs[i], jc, js))
+    except Exception:
+        out["JAX jit"] = None
+    out["Liger"] = _liger(p, direction, cos, sin)
+    return out
+
+
+def _liger(p, direction, cos, sin):
+    try:
+        from liger_kernel.ops.rope import rope_backward, rope_forward
+    except Exception:
+        return None
+    if p.kw["interleaved"] or p.freqs.shape[-1] != p.shape[-1] or p.spec["layout"] == "thd" \
+            or p.spec.get("cp") or p.spec.get("decode"):
+        return None  # Liger: rotate-half, full rotary, position-aligned cos/sin only
+    lay = p.spec["layout"]
+    # Liger takes q, k as [b, h, s, d] views of bshd storage and cos/sin as [1 or b, s, d]
+    views = [x.transpose(1, 2) if lay == "bshd" else x.permute(1, 2, 0, 3) for x in p.xs]
+    c = cos.squeeze(-2)
+    sn = sin.squeeze(-2) if direction == "fwd" else -sin.squeeze(-2)
+    if lay == "sbhd":
+        c, sn = c.transpose(0, 1), sn.transpose(0, 1)
+    c, sn = c.contiguous(), sn.contiguous()
+    k1 = [v[:, :1] for v in views]  # Liger needs a k: one head, ~3% extra bytes at h=32
+    if direction == "fwd":
+        return lambda i: rope_forward(views[i], k1[i], c, sn)[0]
+    return lambda i: rope_backward(views[i], k1[i], c, sn)[0]
+
+
+def _close(a, b):
+    import torch
+
+    a, b = a.float(), b.float()
+    return bool(torch.allclose(a, b, rtol=2e-2, atol=2e-2))
+
+
+def _time_peer(fn, ref, idx, copy_us):
+    """Check a peer against cupy_rope's result, then time it (JAX: wall time as device time)."""
+    import torch
+
+    is_jax = isinstance(fn, tuple)
+    call = fn[1] if is_jax else fn
+    got = call(0)
+    if is_jax:
+        got = torch.from_dlpack(got)
+        torch.cuda.synchronize()
+    if not _close(got, ref):
+        return "WRONG"
+    fns = [lambda i=i: call(i) for i in idx]
+    if is_jax:  # JAX runs on XLA's stream: torch events do not see it; report wall time
+        eager = eager_time(fns, sync=_jax_sync)
+        dev = eager
+    else:
+        try:
+            dev = graph_time(fns)
+        except Exception:
+            dev = event_time(fns)
+        eager = eager_time(fns)
+    return dict(device_us=dev, eager_us=eager, pct_copy=100 * copy_us / dev)
+
+
+def run_row(rid, desc, spec, quick=False, peers=True):
+    import torch
+
+    p = Problem(spec)
+    n_launch = p.nbuf * max(1, (4 if quick else 12) // p.nbuf) if p.per > 2**20 else (100 if quick else 400)
+    idx = [i % p.nbuf for i in range(n_launch)]
+    half = max(p.bytes // 2, 1)
+    src = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(p.nbuf)]
+    dst = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(p.nbuf)]
+    row = dict(id=rid, shape=desc, bytes=p.bytes, dtype=str(p.dtype).replace("torch.", ""))
+    row["copy_us"] = graph_time([lambda i=i: dst[i].copy_(src[i]) for i in idx])
+    del src, dst
+    for direction in ("fwd", "bwd"):
+        r = {}
+        ours = {fw: _ours(p, direction, fw) for fw in ("torch", "cupy")}
+        r["device_us"] = graph_time([lambda i=i: ours["torch"](i) for i in idx])
+        r["pct_copy"] = 100 * row["copy_us"] / r["device_us"]
+        r["gbps"] = p.bytes / r["device_us"] / 1e3
+        r["eager_torch_us"] = eager_time([lambda i=i: ours["torch"](i) for i in idx])
+        r["eager_cupy_us"] = eager_time([lambda i=i: ours["cupy"](i) for i in idx])
+        if rid == 10 or not quick:
+            try:
+                jfn = _ours(p, direction, "jax")
+                r["eager_jax_us"] = eager_time([lambda i=i: jfn(i) for i in idx], sync=_jax_sync)
+            except Exception as e:  # pragma: no cover
+                r["eager_jax_us"] = None
+                r["jax_error"] = repr(e)[:200]
+        if peers:
+            ref = ours["torch"](0)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            pr = {}
+            for name, fn in _peer_fns(p, direction).items():
+                if fn is None:
+                    pr[name] = "n/a"
+                    continue
+                try:
+                    pr[name] = _time_peer(fn, ref, idx, row["copy_us"])
+                except Exception as e:  # a peer failing to run is reported, not fatal
+                    pr[name] = f"error: {type(e).__name__}"
+            r["peers"] = pr
+        row[direction] = r
+    return row
+
+
+def first_call_times():
+    """Seconds to the first result in a fresh process: empty kernel cache, then warm cache."""
+    import tempfile
+
+    code = ("import time; t=time.perf_counter(); import cupy, cupy_rope; "
+            "x=cupy.ones((16,2,4,64),cupy.float32); f=cupy.asarray(cupy_rope.rope_freqs(64,16)); "
+            "cupy_rope.apply_rope(x,f); cupy.cuda.runtime.deviceSynchronize(); print(time.perf_counter()-t)")
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, CUPY_CACHE_DIR=d, PYTHONPATH=os.pathsep.join(sys.path))
+        for label in ("cold_cache_s", "warm_cache_s"):
+            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            out[label] = float(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-300:]
+    return out
+
+
+def _fmt(v):
+    if isinstance(v, str):
+        return v
+    if v is None:
+        return "-"
+    return f"{v:.1f}"
+
+
+def markdown(rows):
+    head = ("| # | shape | copy µs | cupy_rope device µs fwd / bwd | % of copy fwd / bwd | GB/s fwd | "
+            "eager µs cupy fwd / bwd | eager µs torch fwd / bwd | eager µs JAX fwd |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        f, b = r["fwd"], r["bwd"]
+        lines.append(
+            f"| {r['id']} | {r['shape']} | {r['copy_us']:.1f} | {f['device_us']:.1f} / {b['device_us']:.1f} | "
+            f"{f['pct_copy']:.0f}% / {b['pct_copy']:.0f}% | {f['gbps']:.0f} | "
+            f"{f['eager_cupy_us']:.1f} / {b['eager_cupy_us']:.1f} | {f['eager_torch_us']:.1f} / {b['eager_torch_us']:.1f} | "
+            f"{_fmt(f.get('eager_jax_us'))} |")
+    peer_names = []
+    for r in rows:
+        for name in r["fwd"].get("peers", {}):
+            if name not in peer_names:
+                peer_names.append(name)
+    if peer_names:
+        lines += ["", "Peers, device µs fwd / bwd (% of copy fwd); eager µs fwd:", "",
+                  "| # | " + " | ".join(peer_names) + " |", "|" + "---|" * (len(peer_names) + 1)]
+        for r in rows:
+            cells = []
+            for name in peer_names:
+                pf, pb = r["fwd"].get("peers", {}).get(name), r["bwd"].get("peers", {}).get(name)
+                if isinstance(pf, dict):
+                    bdev = pb["device_us"] if isinstance(pb, dict) else None
+                    cells.append(f"{pf['device_us']:.1f} / {_fmt(bdev if bdev is not None else pb)} "
+                                 f"({pf['pct_copy']:.0f}%); {pf['eager_us']:.0f}")
+                else:
+                    cells.append(str(pf))
+            lines.append(f"| {r['id']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m cupy_rope bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write all numbers to this JSON file")
+    ap.add_argument("--md", help="write the Markdown tables to this file")
+    ap.add_argument("--quick", action="store_true", help="fewer launches per measurement")
+    ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
+    ap.add_argument("--no-peers", action="store_true", help="time cupy_rope and the copy only")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import torch
+
+    want = {int(v) for v in a.rows.split(",") if v}
+    rows = []
+    for rid, desc, spec in SHAPES:
+        if want and rid not in want:
+            continue
+        t = time.perf_counter()
+        rows.append(run_row(rid, desc, spec, a.quick, peers=not a.no_peers))
+        print(f"[bench] row {rid} ({time.perf_counter() - t:.0f} s): fwd {rows[-1]['fwd']['pct_copy']:.0f}% "
+              f"bwd {rows[-1]['bwd']['pct_copy']:.0f}% of copy", file=sys.stderr, flush=True)
+    first = first_call_times()
+    md = markdown(rows) + f"\n\nFirst call in a fresh process: {first}\n"
+    print(md)
+    env = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+               command="python -m cupy_rope bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    try:
+        import cupy
+
+        env["cupy"] = cupy.__version__
+        import jax
+
+        env["jax"] = jax.__version__
+    except Exception:
+        pass
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(dict(env=env, rows=rows, first_call=first), fh, indent=1)
+    if a.md:
+        with open(a.md, "w") as fh:
+            fh.write(md)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
