@@ -39,8 +39,8 @@ def function(name: str, device: int):
         hit = _functions.get(key)
         if hit is None:
             module = cupy.RawModule(code=_kernels.source_for([name]), options=_options())
-            fn = module.get_function(name)
-            hit = (module, fn.ptr, driver.ctxGetCurrent())
+            kernel = module.get_function(name)  # a RawKernel; .kernel is the loaded CUfunction
+            hit = (module, getattr(kernel, "kernel", kernel).ptr, driver.ctxGetCurrent())
             _functions[key] = hit
     return hit[1], hit[2]
 
