@@ -123,9 +123,21 @@ def _rope_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
 _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
+def _per_rank(cp_size, cp_rank, fn):
+    """``fn(rank)`` for a static rank, or a ``lax.switch`` over all ranks for a traced one
+    (e.g. ``jax.lax.axis_index("cp")`` inside ``shard_map``)."""
+    if isinstance(cp_rank, (int, np.integer)):
+        return fn(int(cp_rank))
+    branches = [functools.partial(lambda r, _: fn(r), r) for r in range(int(cp_size))]
+    return jax.lax.switch(jnp.asarray(cp_rank, jnp.int32), branches, None)
+
+
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
                cp_size=1, cp_rank=0):
     """:func:`cupy_rope.apply_rope` for JAX arrays; jittable and differentiable in ``x``.
+
+    ``cp_rank`` may be a traced integer (``jax.lax.axis_index`` inside ``shard_map``): the call
+    then switches between the ``cp_size`` static-rank versions.
 
     Example:
         >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
@@ -133,15 +145,15 @@ def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, s
         >>> crj.apply_rope(jnp.ones((16, 1, 2, 64)), f).shape
         (16, 1, 2, 64)
     """
-    return _rope(x, freqs, cu_seqlens, start_positions, layout, bool(interleaved), int(cp_size), int(cp_rank),
-                 False)
+    return _per_rank(cp_size, cp_rank, lambda r: _rope(x, freqs, cu_seqlens, start_positions, layout,
+                                                       bool(interleaved), int(cp_size), r, False))
 
 
 def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
                         start_positions=None, cp_size=1, cp_rank=0):
     """:func:`cupy_rope.apply_rope_backward` for JAX arrays (differentiable: its VJP is the forward)."""
-    return _rope(grad, freqs, cu_seqlens, start_positions, layout, bool(interleaved), int(cp_size),
-                 int(cp_rank), True)
+    return _per_rank(cp_size, cp_rank, lambda r: _rope(grad, freqs, cu_seqlens, start_positions, layout,
+                                                       bool(interleaved), int(cp_size), r, True))
 
 
 # ----------------------------------------------------------------------------- packed QKV
@@ -231,8 +243,8 @@ def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_he
         (8, 1, 8, 64)
     """
     sp = _static_split(qkv.shape[-2], qkv.shape[-1], split, num_q_heads, "qkv")
-    return _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions), sp, layout, bool(interleaved),
-                      int(cp_size), int(cp_rank))
+    return _per_rank(cp_size, cp_rank, lambda r: _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions),
+                                                            sp, layout, bool(interleaved), int(cp_size), r))
 
 
 def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None,
@@ -242,5 +254,6 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
     n = dq.shape[-2] // max(g, 1)
     sp = _static_split(g, (n + 2) * d, split, num_q_heads, "dqkv") if (split is not None or num_q_heads is not None) \
         else (n * d, d, d)
-    return _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs, (cu_seqlens, start_positions), sp, layout,
-                      bool(interleaved), int(cp_size), int(cp_rank))
+    return _per_rank(cp_size, cp_rank, lambda r: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs,
+                                                            (cu_seqlens, start_positions), sp, layout,
+                                                            bool(interleaved), int(cp_size), r))

@@ -232,3 +232,28 @@ def inputs(case, heads=3, s=8, b=3):
         freqs = freqs.reshape(S, case.d2)
     x = strided(shape, case.dtype, rng, case.stride)
     return x, freqs, kw
+
+
+# ----------------------------------------------------------------------------- context-parallel sharding
+def cp_chunk_index(length: int, cp_size: int, cp_rank: int):
+    """Indices (into a global sequence of ``length``) of the rows rank ``cp_rank`` holds:
+    chunk ``cp_rank`` then chunk ``2*cp_size-1-cp_rank`` of ``2*cp_size`` equal chunks."""
+    if length % (2 * cp_size):
+        raise ValueError(f"sequence length {length} is not divisible by 2 * cp_size = {2 * cp_size}")
+    c = length // (2 * cp_size)
+    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return np.concatenate([np.arange(a, a + c), np.arange(b, b + c)])
+
+
+def cp_thd_index(cu_seqlens, cp_size: int, cp_rank: int):
+    """Global row indices of rank ``cp_rank``'s packed (thd) shard, in local row order."""
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    return np.concatenate([cu[i] + cp_chunk_index(int(cu[i + 1] - cu[i]), cp_size, cp_rank)
+                           for i in range(len(cu) - 1)] + [np.zeros(0, np.int64)])
+
+
+def cp_shard_index(layout: str, global_len: int, cp_size: int, cp_rank: int, cu_seqlens=None):
+    """Indices along the sequence (sbhd: axis 0, bshd: axis 1) or token (thd: axis 0) axis."""
+    if layout == "thd":
+        return cp_thd_index(cu_seqlens, cp_size, cp_rank)
+    return cp_chunk_index(global_len, cp_size, cp_rank)
