@@ -84,12 +84,16 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
     fast_key = None
     kind = _quick_kind(x)
     if kind is not None and not _DEBUG[0]:
-        opts = tuple((type(v), v) for v in (backward, layout, interleaved, cp_size, cp_rank,
+        opts = tuple((type(v), v) for v in ("rope", backward, layout, interleaved, cp_size, cp_rank,
                                             transpose_output_memory))
-        y, fast_key = _fast_rope(kind, dict(x=x, freqs=freqs, cu_seqlens=cu_seqlens,
-                                            start_positions=start_positions, out=out), opts)
-        if y is not None:
-            return y
+        fast_key, entry, ptrs = _cache_lookup(kind, dict(x=x, freqs=freqs, cu_seqlens=cu_seqlens,
+                                                         start_positions=start_positions, out=out), opts)
+        if entry is not None:
+            if out is not None:
+                ptrs["y"] = ptrs["out"]
+            res = _cached_launch(kind, entry, ptrs, x)
+            if res is not None:
+                return out if out is not None else res[0]
     args = _Args(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions, out=out)
     xi = args.infos["x"]
     plan = _plan.resolve_rope(xi, args.infos["freqs"], layout, interleaved, args.infos["cu_seqlens"],
@@ -121,18 +125,17 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
                                                 args.infos["start_positions"], _launch.sm_count(dev))
         _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
-        if fast_key is not None and (out is not None or yi.ptr % 16 == 0):
-            _launch_cache_put(fast_key, (name, grid, block, params, plan.shape, plan.transpose_output))
+        outputs = [] if out is not None else [("y", plan.shape, plan.transpose_output)]
+        _cache_put(fast_key, name, grid, block, params, _plan.ROPE_PTR_SLOTS, outputs)
     return y
 
 
 # ----------------------------------------------------------------------------- launch cache
 # Repeated calls with the same shapes, strides, dtypes, devices, options and pointer alignment
-# reuse the resolved launch (validated on the first call) and only patch the addresses: the
-# per-call host cost is then a few microseconds (decode-sized calls are host-bound).
+# reuse the launch resolved (and validated) by the first call and only patch the addresses:
+# the per-call host cost is then a few microseconds (decode-sized calls are host-bound).
 _CACHE: dict = {}
 _CACHE_MAX = 4096
-_SLOT_ORDER = ("x", "freqs", "cu_seqlens", "start_positions")
 
 
 def _desc(a, kind):
@@ -141,7 +144,7 @@ def _desc(a, kind):
         return None, 0
     if kind == "torch":
         p = a.data_ptr()
-        return (tuple(a.shape), a.stride(), a.dtype, a.device, p % 16, a.requires_grad), p
+        return (tuple(a.shape), a.stride(), a.dtype, a.device, p % 16), p
     p = a.data.ptr
     return (a.shape, a.strides, a.dtype, a.device.id, p % 16), p
 
@@ -155,62 +158,58 @@ def _quick_kind(a):
     return None
 
 
-def _launch_cache_put(key, value):
+def _cache_lookup(kind, arrays: dict, opts):
+    """(key, cached entry or None, addresses by name); key None when not cacheable."""
+    descs, ptrs = [], {}
+    for name, a in arrays.items():
+        if a is not None and _quick_kind(a) != kind:
+            return None, None, None
+        d, ptrs[name] = _desc(a, kind)
+        descs.append(d)
+    key = (kind, opts, tuple(descs))
+    return key, _CACHE.get(key), ptrs
+
+
+def _cache_put(key, name, grid, block, params, slots, outputs):
+    """Remember a launch: ``slots`` = {array name: 64-bit slot}, ``outputs`` = [(name, shape, transposed)]."""
+    if key is None:
+        return
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    _CACHE[key] = value
+    _CACHE[key] = (name, grid, block, params, slots, outputs)
 
 
-def _fast_rope(kind, arrays, opts):
-    """Launch from the cache; returns (result, key). result None on a miss."""
-    descs, ptrs = [], []
-    for name in ("x", "freqs", "cu_seqlens", "start_positions", "out"):
-        a = arrays[name]
-        k = kind if a is None or _quick_kind(a) == kind else None
-        if k is None:
-            return None, None
-        d, p = _desc(a, kind)
-        descs.append(d)
-        ptrs.append(p)
-    key = (kind, opts, tuple(descs))
-    hit = _CACHE.get(key)
-    if hit is None:
-        return None, key
-    name, grid, block, params, shape, transposed = hit
-    x, out = arrays["x"], arrays["out"]
-    if out is not None:
-        y, yptr = out, ptrs[4]
-    else:
-        if kind == "torch":
-            import torch
+def _empty_like_kind(kind, like, shape, transposed):
+    """Contiguous (or sbhd-over-bshd when ``transposed``) output next to ``like``."""
+    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
+    if kind == "torch":
+        import torch
 
-            if transposed:
-                s, b, h, d = shape
-                y = torch.empty((b, s, h, d), dtype=x.dtype, device=x.device).permute(1, 0, 2, 3)
-            else:
-                y = torch.empty(shape, dtype=x.dtype, device=x.device)
-            yptr = y.data_ptr()
-        else:
-            import cupy
+        y = torch.empty(alloc, dtype=like.dtype, device=like.device)
+        return (y.permute(1, 0, 2, 3) if transposed else y), y.data_ptr()
+    import cupy
 
-            with cupy.cuda.Device(x.device.id):
-                if transposed:
-                    s, b, h, d = shape
-                    y = cupy.empty((b, s, h, d), dtype=x.dtype).transpose(1, 0, 2, 3)
-                else:
-                    y = cupy.empty(shape, dtype=x.dtype)
-            yptr = y.data.ptr
-        if yptr % 16:
-            return None, key
+    with cupy.cuda.Device(like.device.id):
+        y = cupy.empty(alloc, dtype=like.dtype)
+    return (y.transpose(1, 0, 2, 3) if transposed else y), y.data.ptr
+
+
+def _cached_launch(kind, entry, ptrs, like):
+    """Allocate the outputs, patch every address into the cached parameters, launch."""
+    name, grid, block, params, slots, outputs = entry
+    results = []
+    for oname, shape, transposed in outputs:
+        y, p = _empty_like_kind(kind, like, shape, transposed)
+        if p % 16:
+            return None  # alignment differs from the cached plan's: take the full path
+        ptrs[oname] = p
+        results.append(y)
     buf = bytearray(params)
-    slots = _plan.ROPE_PTR_SLOTS
-    for nm, p in zip(_SLOT_ORDER, ptrs):
-        if p:
-            struct.pack_into("<q", buf, 8 * slots[nm], p)
-    struct.pack_into("<q", buf, 8 * slots["y"], yptr)
-    dev = x.device.index if kind == "torch" else x.device.id
+    for nm, slot in slots.items():
+        struct.pack_into("<q", buf, 8 * slot, ptrs.get(nm, 0))
+    dev = like.device.index if kind == "torch" else like.device.id
     _launch.launch(name, grid, block, bytes(buf), _interop.current_stream(kind, dev), dev)
-    return y, key
+    return results
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
@@ -280,6 +279,23 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
         return fn(*arrays.values(), q_freqs, k_freqs, split, layout, num_q_heads=num_q_heads,
                   interleaved=interleaved, cu_seqlens=cu_seqlens, start_positions=start_positions,
                   cp_size=cp_size, cp_rank=cp_rank)
+    fast_key = None
+    kind = _quick_kind(first)
+    if kind is not None and not _DEBUG[0]:
+        opts = tuple((type(v), v) for v in ("qkv", backward, layout, interleaved, cp_size, cp_rank,
+                                            num_q_heads))
+        opts += (tuple(split) if split is not None else None,)
+        named = dict(arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
+                     start_positions=start_positions)
+        fast_key, entry, ptrs = _cache_lookup(kind, named, opts + ((q_freqs is k_freqs),))
+        if entry is not None:
+            if backward:
+                ptrs.update(q=ptrs["dq"], k=ptrs["dk"], v=ptrs["dv"])
+            else:
+                ptrs["packed"] = ptrs["qkv"]
+            res = _cached_launch(kind, entry, ptrs, first)
+            if res is not None:
+                return res[0] if backward else tuple(res)
     args = _Args(q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
                  start_positions=start_positions, **arrays)
     inf = args.infos
@@ -318,6 +334,10 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
                                                 inf["cu_seqlens"], inf["start_positions"],
                                                 _launch.sm_count(dev))
         _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
+        outputs = [("packed", plan.packed_shape, False)] if backward else \
+            [("q", plan.q_shape, False), ("k", plan.kv_shape, False), ("v", plan.kv_shape, False)]
+        if all(_interop.info(r, kind).ptr % 16 == 0 for r in ((result,) if backward else result)):
+            _cache_put(fast_key, name, grid, block, params, _plan.QKV_PTR_SLOTS, outputs)
     return result
 
 

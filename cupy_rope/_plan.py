@@ -283,6 +283,9 @@ POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "start_posit
 ROPE_PTR_SLOTS = {"x": 0, "y": 1, "freqs": 2,
                   "cu_seqlens": len(ROPE_FIELDS) + POS_FIELDS.index("cu_seqlens"),
                   "start_positions": len(ROPE_FIELDS) + POS_FIELDS.index("start_positions")}
+QKV_PTR_SLOTS = {"packed": 0, "q": 1, "k": 2, "v": 3, "q_freqs": 4, "k_freqs": 5,
+                 "cu_seqlens": len(QKV_FIELDS) + POS_FIELDS.index("cu_seqlens"),
+                 "start_positions": len(QKV_FIELDS) + POS_FIELDS.index("start_positions")}
 
 
 @dataclass

@@ -218,3 +218,32 @@ def test_gpu_launch_cache_reuses_plan_with_new_addresses(fw):
         y = cupy_rope.apply_rope_backward(xsd, fd, "sbhd", transpose_output_memory=True)
         assert_close_to_ref(to_host(y, fw), rope_ref(xs, f, backward=True), xs, 64, "float32", f"tom {trial}")
     assert len(cupy_rope._api._CACHE) > 0
+
+
+@pytest.mark.parametrize("fw", ["cupy", "torch"])
+@pytest.mark.parametrize("layout", ["sbhd", "thd"])
+def test_gpu_qkv_launch_cache(fw, layout):
+    rng = np.random.default_rng(12)
+    n, g, d = 4, 2, 64
+    f = rng.uniform(-4, 4, (32, 1, 1, 64)).astype(np.float32)
+    kw = {"layout": layout}
+    lead = (8, 2) if layout == "sbhd" else (13,)
+    if layout == "thd":
+        kw["cu_seqlens"] = np.array([0, 5, 11], np.int32)
+    dkw = {k: (to_dev(v, fw) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    fd = to_dev(f, fw)
+    for trial in range(3):
+        qkv = rng.uniform(-1, 1, lead + (g, (n + 2) * d)).astype(np.float32)
+        poison(lead + (g * n, d), np.float32, fw)
+        q, k, v = cupy_rope.apply_qkv_rope(to_dev(qkv, fw), fd, fd, num_q_heads=g * n, **dkw)
+        xq, xk, xv = qkv_split_ref(qkv, n, d)
+        assert_close_to_ref(to_host(q, fw), rope_ref(xq, f, **kw), xq, 64, "float32", f"q {trial}")
+        assert_close_to_ref(to_host(k, fw), rope_ref(xk, f, **kw), xk, 64, "float32", f"k {trial}")
+        np.testing.assert_array_equal(to_host(v, fw), xv)
+        dq = rng.uniform(-1, 1, lead + (g * n, d)).astype(np.float32)
+        dk = rng.uniform(-1, 1, lead + (g, d)).astype(np.float32)
+        got = cupy_rope.apply_qkv_rope_backward(to_dev(dq, fw), to_dev(dk, fw), to_dev(xv, fw), fd, fd, **dkw)
+        want = np.concatenate([rope_ref(dq, f, backward=True, **kw).reshape(lead + (g, n * d)),
+                               rope_ref(dk, f, backward=True, **kw), xv.astype(np.float64)], -1)
+        assert_close_to_ref(to_host(got, fw), want, None, 0, "float32", f"dqkv {trial}",
+                            scale=np.abs(want) + 4)
