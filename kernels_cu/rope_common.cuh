@@ -35,25 +35,89 @@ template <typename T, int V> struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
-// Load/store V elements starting at p. V > 1 is only chosen by the host when the channel
-// stride is 1 and the address is aligned to the vector size; V == 1 honours any stride.
+// The machine word of a vector, so that loads and stores are single vector instructions
+// (a struct of bf16 elements is otherwise stored element by element).
+template <int BYTES> struct RawWord;
+template <> struct RawWord<2> { typedef unsigned short type; };
+template <> struct RawWord<4> { typedef unsigned int type; };
+template <> struct RawWord<8> { typedef uint2 type; };
+template <> struct RawWord<16> { typedef uint4 type; };
+
+template <typename T, int V> union VecWord {
+  Vec<T, V> vec;
+  typename RawWord<sizeof(T) * V>::type word;
+};
+
+// Load/store V elements starting at element offset `off`. V > 1 is only chosen by the host
+// when the channel stride is 1 and the address is aligned to the vector size; V == 1
+// honours any stride (the caller multiplies the channel index by it).
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ base, i64 off) {
-  if (V == 1) {
-    Vec<T, V> r;
-    r.v[0] = base[off];
-    return r;
-  } else {
-    return *reinterpret_cast<const Vec<T, V>*>(base + off);
-  }
+  typedef typename RawWord<sizeof(T) * V>::type W;
+  VecWord<T, V> u;
+  u.word = *reinterpret_cast<const W*>(base + off);
+  return u.vec;
+}
+
+
+// Round V floats to T and store them with one vector instruction: pairs of 16-bit values
+// are packed into 32-bit words first (a union of bf16 elements is otherwise split into
+// 16-bit stores by the compiler).
+__device__ __forceinline__ unsigned int bits_of(float a) { return __float_as_uint(a); }
+template <typename T> __device__ __forceinline__ unsigned int bits16(float a) { return __float_as_uint(a); }
+template <> __device__ __forceinline__ unsigned int bits16<__half>(float a) {
+  return __half_as_ushort(__float2half_rn(a));
+}
+template <> __device__ __forceinline__ unsigned int bits16<__nv_bfloat16>(float a) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(a));
+}
+
+// One 16-byte store (the compiler otherwise sometimes splits a uint4 built from registers).
+__device__ __forceinline__ void store_words16(void* p, unsigned int a, unsigned int b, unsigned int c,
+                                              unsigned int d) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(p) = make_uint4(a, b, c, d);
+#endif
 }
 
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* __restrict__ base, i64 off, const Vec<T, V>& r) {
-  if (V == 1) {
-    base[off] = r.v[0];
+  typedef typename RawWord<sizeof(T) * V>::type W;
+  VecWord<T, V> u;
+  u.vec = r;
+  if (sizeof(W) == 16) {
+    const uint4& q = reinterpret_cast<const uint4&>(u.word);
+    store_words16(base + off, q.x, q.y, q.z, q.w);
   } else {
-    *reinterpret_cast<Vec<T, V>*>(base + off) = r;
+    *reinterpret_cast<W*>(base + off) = u.word;
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_floats(T* __restrict__ base, i64 off, const float* y) {
+  constexpr int BYTES = sizeof(T) * V;
+  constexpr int WORDS = BYTES >= 4 ? BYTES / 4 : 1;
+  unsigned int w[WORDS];
+  if (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = bits_of(y[i]);
+  } else if (V >= 2) {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) w[i] = bits16<T>(y[2 * i]) | (bits16<T>(y[2 * i + 1]) << 16);
+  } else {
+    w[0] = bits16<T>(y[0]);
+  }
+  if (BYTES == 16) {
+    store_words16(base + off, w[0], w[WORDS > 1 ? 1 : 0], w[WORDS > 2 ? 2 : 0], w[WORDS > 3 ? 3 : 0]);
+  } else if (BYTES == 8) {
+    *reinterpret_cast<uint2*>(base + off) = make_uint2(w[0], w[WORDS > 1 ? 1 : 0]);
+  } else if (BYTES == 4) {
+    *reinterpret_cast<unsigned int*>(base + off) = w[0];
+  } else {
+    *reinterpret_cast<unsigned short*>(base + off) = (unsigned short)w[0];
   }
 }
 
@@ -191,14 +255,14 @@ __device__ __forceinline__ void unit_sincos(const float* __restrict__ freqs, i64
   }
 }
 
-// Spec sections 3 and 4 on one unit held in registers (x0 = channels base0.., x1 = base1..).
+// Spec sections 3 and 4 on one unit held in registers (x0 = channels base0.., x1 = base1..),
+// results as floats y[0..2V) (y[e] for element e of the unit).
 //   forward:  y_f = x_f cos_f - x_s sin_f ;  y_s = x_s cos_s + x_f sin_s
 //   backward: d_f = g_f cos_f + g_s sin_s ;  d_s = g_s cos_s - g_f sin_f
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rotate_unit(const Vec<T, V>& x0, const Vec<T, V>& x1,
-                                            const float* c, const float* s, Vec<T, V>& y0,
-                                            Vec<T, V>& y1) {
-  float x[2 * V], y[2 * V];
+                                            const float* c, const float* s, float* y) {
+  float x[2 * V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     x[e] = to_f32<T>(x0.v[e]);
@@ -215,11 +279,6 @@ __device__ __forceinline__ void rotate_unit(const Vec<T, V>& x0, const Vec<T, V>
       y[f] = x[f] * c[f] + (-x[g]) * s[f];
       y[g] = x[g] * c[g] + x[f] * s[g];
     }
-  }
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    y0.v[e] = from_f32<T>(y[e]);
-    y1.v[e] = from_f32<T>(y[V + e]);
   }
 }
 
@@ -255,10 +314,10 @@ __device__ __forceinline__ void process_rows(const T* __restrict__ x, T* __restr
       if (k0 + k < nrows) {
         const i64 o = out_off(k0 + k);
         if (PAIR && ROT) {
-          Vec<T, V> ra, rb;
-          rotate_unit<T, V, INTERLEAVED, BACKWARD>(a[k], b[k], c, s, ra, rb);
-          store_vec<T, V>(y, o + cb0 * ysd, ra);
-          store_vec<T, V>(y, o + cb1 * ysd, rb);
+          float r[2 * V];
+          rotate_unit<T, V, INTERLEAVED, BACKWARD>(a[k], b[k], c, s, r);
+          store_floats<T, V>(y, o + cb0 * ysd, r);
+          store_floats<T, V>(y, o + cb1 * ysd, r + V);
         } else {
           store_vec<T, V>(y, o + cb0 * ysd, a[k]);
           if (PAIR) store_vec<T, V>(y, o + cb1 * ysd, b[k]);
