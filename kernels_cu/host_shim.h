@@ -22,6 +22,13 @@ static inline void sincosf_host(float a, float* s, float* c) {
 }
 #define sincosf sincosf_host
 
+#include <cstring>
+static inline unsigned int __float_as_uint(float a) {
+  unsigned int u;
+  std::memcpy(&u, &a, sizeof u);
+  return u;
+}
+
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY)                                                   \
   extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
     const PARAMS& p = *static_cast<const PARAMS*>(params);                                     \
