@@ -58,9 +58,20 @@ def fused_rope_forward(input, freqs, start_positions, qkv_format, interleaved, c
                            cp_rank=int(cp_rank))
 
 
+def _is_format(v) -> bool:
+    return isinstance(v, (str, enum.Enum)) or type(v).__name__ == "NVTE_QKV_Format"
+
+
 def fused_rope_backward(output_grads, freqs, start_positions, qkv_format, interleaved, cu_seqlens, cp_size,
-                        cp_rank):
-    """TE's ``fused_rope_backward``: see :func:`cupy_rope.apply_rope_backward`."""
+                        cp_rank=None):
+    """TE's ``fused_rope_backward``: see :func:`cupy_rope.apply_rope_backward`.
+
+    Also accepts the pre-2.x order without ``start_positions``
+    ``(output_grads, freqs, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank)``.
+    """
+    if cp_rank is None and _is_format(start_positions):
+        start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank = (
+            None, start_positions, qkv_format, interleaved, cu_seqlens, cp_size)
     return _api.apply_rope_backward(output_grads, freqs, _layout(qkv_format), interleaved=bool(interleaved),
                                     cu_seqlens=cu_seqlens, start_positions=start_positions,
                                     cp_size=int(cp_size), cp_rank=int(cp_rank))

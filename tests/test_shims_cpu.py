@@ -132,6 +132,9 @@ def test_te_dropin_matches_reference():
         sp = torch.tensor([2, 0, 1, 3, 0, 1, 2, 0], dtype=torch.int32)
         y = te.fused_rope_forward(x, f, sp, fmt, False, cu, 2, 1)
         g = te.fused_rope_backward(x, f, sp, fmt, True, cu, 2, 0)
+        if sp is not None:  # the pre-2.x positional order (no start_positions) still works
+            g_old = te.fused_rope_backward(x, f, fmt, True, cu, 2, 0)
+            torch.testing.assert_close(g_old, te.fused_rope_backward(x, f, None, fmt, True, cu, 2, 0))
         kw = dict(layout=lay, start_positions=sp.numpy(), cp_size=2,
                   cu_seqlens=None if cu is None else cu.numpy())
         assert_close_to_ref(y.numpy(), rope_ref(x.numpy(), f.numpy(), cp_rank=1, **kw), x.numpy(), 64, "float32")
