@@ -455,6 +455,32 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def plot(rows, path):
+    """PNG: % of copy bandwidth per shape for cupy_rope (fwd, bwd) and each peer (fwd)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {"cupy_rope fwd": [r["fwd"]["pct_copy"] for r in rows],
+              "cupy_rope bwd": [r["bwd"]["pct_copy"] for r in rows]}
+    for i, r in enumerate(rows):
+        for name, pv in r["fwd"].get("peers", {}).items():
+            series.setdefault(f"{name} fwd", [0.0] * len(rows))[i] = pv["pct_copy"] if isinstance(pv, dict) else 0.0
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    w = 0.8 / len(series)
+    for j, (name, vals) in enumerate(series.items()):
+        ax.bar([i + j * w for i in range(len(rows))], vals, w, label=name)
+    ax.axhline(100, color="k", lw=0.8)
+    ax.set_ylabel("% of device-to-device copy bandwidth")
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['id']}: {r['shape']}" for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.legend(fontsize=7, ncol=4)
+    ax.set_title("RoPE device time vs a copy of the same bytes (H200; higher is better, 0 = n/a)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m cupy_rope bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -463,6 +489,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer launches per measurement")
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="time cupy_rope and the copy only")
+    ap.add_argument("--plot", help="write a PNG of % of copy bandwidth per shape")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import torch
@@ -496,6 +523,8 @@ def main(argv=None):
     if a.md:
         with open(a.md, "w") as fh:
             fh.write(md)
+    if a.plot:
+        plot(rows, a.plot)
     return rows
 
 
