@@ -16,6 +16,14 @@ fi
 if [[ $MODE == *bench* || $MODE == all ]]; then
   timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/run.py ${BENCH_ARGS:---quick --no-peers} --json "$OUT/bench.json" --md "$OUT/bench.md" 2>&1 | tail -30
 fi
+if [[ $MODE == *main* ]]; then
+  timeout 200 python3 -m cupy_rope --json "$OUT/main.json" 2>/dev/null | tail -12
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_notebooks.py tests/test_main.py 2>&1 | tail -3
+fi
+if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/test_gpu.py -k "cupy and (thd or zero_stride or qkv)" 2>&1 | tail -6
+fi
 for v in "$@"; do
   name=${v%%:*}; envs=${v#*:}
   echo "== variant $name ($envs)"
