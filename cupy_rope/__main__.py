@@ -211,6 +211,17 @@ def main(argv=None):
     ap.add_argument("--layout", choices=["sbhd", "bshd", "thd"], help="check only this layout")
     a, rest = ap.parse_known_args(argv)
     if a.command == "bench":
+        dev, why = detect_device()
+        try:
+            import torch
+
+            has_torch_cuda = torch.cuda.is_available()
+        except ImportError:
+            has_torch_cuda = False
+        if dev != "gpu" or not has_torch_cuda:
+            print("cupy_rope bench: the benchmark suite needs a CUDA GPU visible to CuPy and to torch "
+                  f"(here: {why}; torch CUDA: {has_torch_cuda}). `python -m cupy_rope` prints a CPU table.")
+            return 2
         from cupy_rope import benchmark
 
         args = rest + (["--quick"] if a.quick else []) + (["--json", a.json] if a.json else [])
