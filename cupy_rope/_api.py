@@ -190,8 +190,12 @@ def _empty_like_kind(kind, like, shape, transposed):
         return (y.permute(1, 0, 2, 3) if transposed else y), y.data_ptr()
     import cupy
 
-    with cupy.cuda.Device(like.device.id):
+    dev = like.device.id
+    if cupy.cuda.runtime.getDevice() == dev:
         y = cupy.empty(alloc, dtype=like.dtype)
+    else:
+        with cupy.cuda.Device(dev):
+            y = cupy.empty(alloc, dtype=like.dtype)
     return (y.transpose(1, 0, 2, 3) if transposed else y), y.data.ptr
 
 

@@ -178,5 +178,4 @@ def current_stream(kind: str, device_index: int) -> int:
             return torch.cuda.current_stream(device_index).cuda_stream
     import cupy
 
-    with cupy.cuda.Device(device_index):
-        return cupy.cuda.get_current_stream().ptr
+    return cupy.cuda.get_current_stream(device_index).ptr
