@@ -59,7 +59,7 @@ def _to_dev(a, dev):
 
     if 0 in a.strides and a.size:  # keep stride-0 inputs stride-0
         idx = tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)
-        return cupy.broadcast_to(cupy.asarray(np.ascontiguousarray(a[idx])), a.shape)
+        return cupy.broadcast_to(cupy.asarray(a[idx].copy()), a.shape)
     return cupy.asarray(a)
 
 

@@ -34,7 +34,7 @@ def _restride(dev_contig, a, fw):
     """A device array with the logical values of ``a`` and, where possible, its stride pattern."""
     if 0 in a.strides and a.size:
         idx = tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)
-        small = np.ascontiguousarray(a[idx])
+        small = a[idx].copy()  # a real copy: fresh strides (ascontiguousarray keeps stride 0 of size-1 dims)
         d = to_dev(small, fw)
         return d.expand(*a.shape) if fw == "torch" else _cupy().broadcast_to(d, a.shape)
     order = np.argsort([-abs(s) for s in a.strides], kind="stable")
