@@ -241,7 +241,7 @@ def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
     for v in sorted(_kernels.vector_widths(dtype), reverse=True):
         if v == 1:
             return 1
-        if h2 % v or d % v or v > _MAX_VEC:
+        if h2 % v or d % v or v * isz > _MAX_VEC_BYTES:
             continue
         ok = True
         for ptr, row_strides, sd in arrays:
@@ -255,7 +255,7 @@ def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
 
 # Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in elements.
 _THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "2048"))
-_MAX_VEC = int(os.environ.get("CUPY_ROPE_MAX_VEC", "8"))
+_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "16"))
 
 
 def rows_per_thread(n_tok: int, n_units: int, n_rows: int, sm_count: int) -> int:
