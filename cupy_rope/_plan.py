@@ -253,7 +253,15 @@ def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
     return 1
 
 
-# Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in elements.
+# The tiled rope kernel (kernels_cu/rope.cu): shared-memory cos/sin for up to SMEM_ANGLES
+# (token, channel) pairs and MAX_TILE_TOKENS tokens per block; TILE_ITEMS items per thread
+# are loaded before the block computes cos/sin.
+SMEM_ANGLES = 2048
+MAX_TILE_TOKENS = 64
+TILE_ITEMS = int(os.environ.get("CUPY_ROPE_TILE_ITEMS", "2"))  # = CUPY_ROPE_TILE_ITEMS in rope.cu
+_KERNEL = os.environ.get("CUPY_ROPE_KERNEL", "tiled")  # "tiled" or "rows" (tuning/comparison)
+
+# Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in bytes.
 _THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "2048"))
 _MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "16"))
 
@@ -314,8 +322,16 @@ class RopePlan:
                        [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])])
         n_rot = self.table.d2 // 2 // vec
         n_units = n_rot + (self.d - self.table.d2) // vec
-        per = rows_per_thread(n_tok, n_units, self.heads, sm_count)
-        groups = -(-self.heads // per)
+        tiled = _KERNEL == "tiled" and self.table.d2 <= SMEM_ANGLES
+        if tiled:  # tokens per block: TILE_ITEMS items per thread, within shared memory
+            ipt = self.heads * n_units
+            groups = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(ipt, 1), MAX_TILE_TOKENS,
+                                SMEM_ANGLES // max(self.table.d2, 1)))
+            blocks = -(-n_tok // groups)
+        else:  # one thread per (token, head group, unit)
+            per = rows_per_thread(n_tok, n_units, self.heads, sm_count)
+            groups = -(-self.heads // per)
+            blocks = -(-(n_tok * groups * n_units) // _kernels.BLOCK)
         vals = dict(
             x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
             xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
@@ -324,9 +340,9 @@ class RopePlan:
             f_scol=self.table.scol,
         )
         params = pack(ROPE_FIELDS, vals) + pack_pos(self.pos, cu, sp)
-        items = n_tok * groups * n_units
-        name = _kernels.kernel_name("rope", self.dtype, vec, self.interleaved, self.backward)
-        return name, -(-items // _kernels.BLOCK), _kernels.BLOCK, params
+        name = _kernels.kernel_name("ropet" if tiled else "rope", self.dtype, vec, self.interleaved,
+                                    self.backward)
+        return name, blocks, _kernels.BLOCK, params
 
 
 def pack(fields, vals: dict) -> bytes:

@@ -42,3 +42,22 @@ static inline unsigned int __float_as_uint(float a) {
       }                                                                                        \
     }                                                                                          \
   }
+
+// Tiled kernels: phases separated by __syncthreads() run phase by phase over the whole block.
+#include <vector>
+#define CUPY_ROPE_STRIP(...) __VA_ARGS__
+#define CUPY_ROPE_TILED_ENTRY(NAME, K)                                                         \
+  extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
+    typedef CUPY_ROPE_STRIP K Kern;                                                            \
+    const Kern::Params& p = *static_cast<const Kern::Params*>(params);                         \
+    static Kern::Shared sh;                                                                    \
+    std::vector<Kern::State> st(block);                                                        \
+    gridDim = {grid, 1, 1};                                                                    \
+    blockDim = {block, 1, 1};                                                                  \
+    for (unsigned int b = 0; b < grid; ++b) {                                                  \
+      blockIdx = {b, 0, 0};                                                                    \
+      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase1(p, st[t], sh); } \
+      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase2(p, st[t], sh); } \
+      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase3(p, st[t], sh); } \
+    }                                                                                          \
+  }

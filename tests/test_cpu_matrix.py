@@ -77,3 +77,23 @@ def test_in_place_and_out():
     x2 = x.copy()
     cupy_rope.apply_rope(x2, f, out=x2)
     assert_close_to_ref(x2, ref, x, 64, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_tiled_kernel_many_heads_and_partial_tiles(dtype):
+    """Many heads (items beyond the preloaded ones per thread) and a last partial tile."""
+    from cases import NP_DTYPES
+
+    rng = np.random.default_rng(9)
+    for shape, layout in (((5, 2, 300, 64), "sbhd"), ((37, 3, 64), "thd"), ((3, 13, 2, 64), "bshd")):
+        x = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])
+        f = rng.uniform(-9, 9, (40, 1, 1, 48)).astype(np.float32)
+        kw = dict(layout=layout, interleaved=False, cp_size=1, cp_rank=0)
+        if layout == "thd":
+            kw["cu_seqlens"] = np.array([0, 7, 7, 30], np.int32)
+        plan = _plan_for(x, f, kw, False)
+        name, grid, _, _ = plan.launch(info(x), info(x), info(f), info(kw.get("cu_seqlens")), None, 4)
+        assert name.startswith("ropet_"), name
+        out = np.full(x.shape, np.nan, dtype=x.dtype)
+        y = _hostkernels.run_rope(plan, x, f, kw.get("cu_seqlens"), out=out)
+        assert_close_to_ref(y, rope_ref(x, f, **kw), x, 48, dtype, f"{layout} {shape}")
