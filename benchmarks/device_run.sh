@@ -11,13 +11,13 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 MODE=${MODE:-all}
 if [[ $MODE == *tests* || $MODE == all ]]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -25
+    2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
 fi
 if [[ $MODE == *bench* || $MODE == all ]]; then
-  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/run.py ${BENCH_ARGS:---quick --no-peers} --json "$OUT/bench.json" --md "$OUT/bench.md" 2>&1 | tail -30
+  timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/run.py ${BENCH_ARGS:---quick --no-peers} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tail -32
 fi
 if [[ $MODE == *main* ]]; then
-  timeout 200 python3 -m cupy_rope --json "$OUT/main.json" 2>/dev/null | tail -12
+  timeout 200 python3 -m cupy_rope --json "$OUT/main.json" 2>/dev/null | tee "$OUT/main.log" | tail -9
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_notebooks.py tests/test_main.py 2>&1 | tail -3
 fi
 if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
@@ -28,5 +28,5 @@ for v in "$@"; do
   name=${v%%:*}; envs=${v#*:}
   echo "== variant $name ($envs)"
   env $(echo "$envs" | tr ',' ' ') timeout ${VAR_TIMEOUT:-60} python3 benchmarks/run.py --quick --no-peers --rows ${VAR_ROWS:-1,2,4,5,6,9} \
-    --json "$OUT/var_$name.json" 2>&1 | grep "^|" | head -8
+    --json "$OUT/var_$name.json" 2>&1 | grep "^| [0-9]" | cut -d'|' -f2,3,5,6 | head -10
 done
