@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 # Kernel kinds: the source file that defines them and their entry-point macro.
-KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropet": "CUPY_ROPET_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropet": "CUPY_ROPET_KERNEL", "qkv": "CUPY_QKV_KERNEL",
+         "qkvt": "CUPY_QKVT_KERNEL"}
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -43,7 +44,7 @@ def all_kernels() -> list[str]:
     ]
 
 
-_NAME = re.compile(r"^(rope|ropet|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
+_NAME = re.compile(r"^(rope|ropet|qkv|qkvt)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 
 def entry_line(name: str) -> str:

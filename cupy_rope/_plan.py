@@ -456,8 +456,17 @@ class QkvPlan:
         n_rot = self.q_table.d2 // 2 // vec
         n_units = n_rot + (self.d - self.q_table.d2) // vec
         rows = self.n_q + 2
-        per = rows_per_thread(n_tok * self.groups, n_units, rows, sm_count)
-        n_hsub = -(-rows // per)
+        tables = 1 if self.k_same_table else 2
+        tiled = _KERNEL == "tiled" and tables * self.q_table.d2 <= SMEM_ANGLES
+        if tiled:  # tokens per block (n_hsub holds TT for the tiled kernel)
+            ipt = self.groups * rows * n_units
+            n_hsub = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(ipt, 1), MAX_TILE_TOKENS,
+                                SMEM_ANGLES // max(tables * self.q_table.d2, 1)))
+            blocks = -(-n_tok // n_hsub)
+        else:  # one thread per (token, group, row subset, unit)
+            per = rows_per_thread(n_tok * self.groups, n_units, rows, sm_count)
+            n_hsub = -(-rows // per)
+            blocks = -(-(n_tok * self.groups * n_hsub * n_units) // _kernels.BLOCK)
         vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
                     k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=self.groups,
                     n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_hsub=n_hsub, n_units=n_units,
@@ -469,9 +478,9 @@ class QkvPlan:
         for pre, t in (("qf", self.q_table), ("kf", self.k_table)):
             vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
         params = pack(QKV_FIELDS, vals) + pack_pos(self.pos, cu, sp)
-        items = n_tok * self.groups * n_hsub * n_units
-        name = _kernels.kernel_name("qkv", self.dtype, vec, self.interleaved, self.backward)
-        return name, -(-items // _kernels.BLOCK), _kernels.BLOCK, params
+        name = _kernels.kernel_name("qkvt" if tiled else "qkv", self.dtype, vec, self.interleaved,
+                                    self.backward)
+        return name, blocks, _kernels.BLOCK, params
 
 
 def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[int, int]:

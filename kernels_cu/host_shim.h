@@ -46,7 +46,7 @@ static inline unsigned int __float_as_uint(float a) {
 // Tiled kernels: phases separated by __syncthreads() run phase by phase over the whole block.
 #include <vector>
 #define CUPY_ROPE_STRIP(...) __VA_ARGS__
-#define CUPY_ROPE_TILED_ENTRY(NAME, K)                                                         \
+#define CUPY_ROPE_TILED_ENTRY(NAME, K, PARAMS)                                                       \
   extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
     typedef CUPY_ROPE_STRIP K Kern;                                                            \
     const Kern::Params& p = *static_cast<const Kern::Params*>(params);                         \

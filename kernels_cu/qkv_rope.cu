@@ -115,3 +115,167 @@ __device__ __forceinline__ void qkv_body(const QkvParams& p) {
 // Entry points: qkv_<dtype>_v<V>_<n|i>_<f|b> (cupy_rope/_kernels.py).
 #define CUPY_QKV_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY(NAME, cupy_rope::QkvParams, (cupy_rope::qkv_body<T, V, INTERLEAVED, BACKWARD>))
+
+// ---------------------------------------------------------------------------------------------
+// Tiled variant (the default; see RopeTiled in rope.cu): one block per tile of TT tokens, items
+// (group, row, unit) loaded first, positions and cos/sin of the tile (q table, and k table when
+// it differs) once per block in shared memory, then rotate/copy and store.
+namespace cupy_rope {
+
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD> struct QkvTiled {
+  typedef QkvParams Params;
+  typedef TileState<T, V> State;
+  typedef TileShared Shared;
+
+  static __device__ __forceinline__ i64 rows(const Params& p) { return p.n_q + 2; }
+
+  static __device__ __forceinline__ bool item(const Params& p, i64 i, i64& tt, i64& tok, i64& grp, i64& r,
+                                              i64& u) {
+    const i64 ipt = p.n_groups * rows(p) * p.n_units;
+    if (i >= p.n_hsub * ipt) return false;  // n_hsub holds TT for the tiled kernel
+    i64 rest, gr;
+    divmod(i, ipt, tt, rest);
+    divmod(rest, p.n_units, gr, u);
+    divmod(gr, rows(p), grp, r);
+    tok = (i64)blockIdx.x * p.n_hsub + tt;
+    return tok < p.n_tok;
+  }
+
+  // offsets (elements) of row (grp, r) of token tok: in the packed tensor, and in q/k/v
+  // (which one: r < n q, r == n k, r == n + 1 v), with that array's channel stride
+  static __device__ __forceinline__ void offsets(const Params& p, i64 tok, i64 grp, i64 r, i64& po,
+                                                 i64& so, i64& ssd, int& which) {
+    i64 outer, inner;
+    divmod(tok, p.n_inner, outer, inner);
+    po = outer * p.ps0 + inner * p.ps1 + grp * p.psg + r * p.d * p.psd;
+    if (r < p.n_q) {
+      which = 0;
+      so = outer * p.qs0 + inner * p.qs1 + (grp * p.n_q + r) * p.qsh;
+      ssd = p.qsd;
+    } else if (r == p.n_q) {
+      which = 1;
+      so = outer * p.ks0 + inner * p.ks1 + grp * p.ksh;
+      ssd = p.ksd;
+    } else {
+      which = 2;
+      so = outer * p.vs0 + inner * p.vs1 + grp * p.vsh;
+      ssd = p.vsd;
+    }
+  }
+
+  static __device__ __forceinline__ i64 sep_addr(const Params& p, int which) {
+    return which == 0 ? p.q : (which == 1 ? p.k : p.v);
+  }
+
+  static __device__ __forceinline__ void channels(const Params& p, i64 u, i64& cb0, i64& cb1) {
+    if (u >= p.n_rot_units) {
+      cb0 = cb1 = p.d2 + (u - p.n_rot_units) * V;
+    } else {
+      unit_bases<INTERLEAVED>(u, p.d2 / 2, V, cb0, cb1);
+    }
+  }
+
+  static __device__ __forceinline__ void load(const Params& p, i64 tok, i64 grp, i64 r, i64 u, Vec<T, V>& a,
+                                              Vec<T, V>& b) {
+    i64 po, so, ssd, cb0, cb1;
+    int which;
+    offsets(p, tok, grp, r, po, so, ssd, which);
+    channels(p, u, cb0, cb1);
+    const T* src = reinterpret_cast<const T*>(BACKWARD ? sep_addr(p, which) : p.packed);
+    const i64 o = BACKWARD ? so : po, sd = BACKWARD ? ssd : p.psd;
+    a = load_vec<T, V>(src, o + cb0 * sd);
+    if (u < p.n_rot_units) b = load_vec<T, V>(src, o + cb1 * sd);
+  }
+
+  static __device__ __forceinline__ void phase1(const Params& p, State& st, Shared& sh) {
+#pragma unroll
+    for (int k = 0; k < kTileItems; ++k) {
+      i64 tt, tok, grp, r, u;
+      if (item(p, threadIdx.x + (i64)k * blockDim.x, tt, tok, grp, r, u)) load(p, tok, grp, r, u, st.a[k], st.b[k]);
+    }
+    for (i64 tt = threadIdx.x; tt < p.n_hsub; tt += blockDim.x) {
+      const i64 tok = (i64)blockIdx.x * p.n_hsub + tt;
+      i64 pos = -1;
+      if (tok < p.n_tok) {
+        i64 outer, inner, q = 0;
+        divmod(tok, p.n_inner, outer, inner);
+        if (token_position(p.pos, outer, inner, q) && q >= 0) pos = q;
+      }
+      sh.pos[tt] = pos;
+    }
+  }
+
+  // cos/sin of the tile: q table at [0, TT*d2), k table (when different) at [TT*d2, 2*TT*d2)
+  static __device__ __forceinline__ void phase2(const Params& p, State&, Shared& sh) {
+    const i64 n = p.n_hsub * p.d2;
+    const i64 total = p.k_same_table ? n : 2 * n;
+    for (i64 j = threadIdx.x; j < total; j += blockDim.x) {
+      const bool kt = j >= n;
+      i64 tt, col;
+      divmod(kt ? j - n : j, p.d2, tt, col);
+      const i64 pos = sh.pos[tt];
+      const i64 rows_t = kt ? p.kf_rows : p.qf_rows;
+      if (pos >= 0 && pos < rows_t) {
+        const float* f = reinterpret_cast<const float*>(kt ? p.k_freqs : p.q_freqs);
+        const i64 srow = kt ? p.kf_srow : p.qf_srow, scol = kt ? p.kf_scol : p.qf_scol;
+        sincosf(f[pos * srow + col * scol], &sh.s[j], &sh.c[j]);
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void finish(const Params& p, const Shared& sh, i64 tt, i64 tok, i64 grp,
+                                                i64 r, i64 u, const Vec<T, V>& a, const Vec<T, V>& b) {
+    i64 po, so, ssd, cb0, cb1;
+    int which;
+    offsets(p, tok, grp, r, po, so, ssd, which);
+    channels(p, u, cb0, cb1);
+    T* dst = reinterpret_cast<T*>(BACKWARD ? p.packed : sep_addr(p, which));
+    const i64 o = BACKWARD ? po : so, sd = BACKWARD ? p.psd : ssd;
+    if (u >= p.n_rot_units) {
+      store_vec<T, V>(dst, o + cb0 * sd, a);
+      return;
+    }
+    const i64 pos = sh.pos[tt];
+    const bool ok = which == 0 ? (pos >= 0 && pos < p.qf_rows) : (which == 1 ? (pos >= 0 && pos < p.kf_rows) : false);
+    if (!ok) {
+      store_vec<T, V>(dst, o + cb0 * sd, a);
+      store_vec<T, V>(dst, o + cb1 * sd, b);
+      return;
+    }
+    const i64 base = tt * p.d2 + ((which == 1 && !p.k_same_table) ? p.n_hsub * p.d2 : 0);
+    float c[2 * V], s[2 * V], res[2 * V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      c[e] = sh.c[base + cb0 + e];
+      s[e] = sh.s[base + cb0 + e];
+      c[V + e] = sh.c[base + cb1 + e];
+      s[V + e] = sh.s[base + cb1 + e];
+    }
+    rotate_unit<T, V, INTERLEAVED, BACKWARD>(a, b, c, s, res);
+    store_floats<T, V>(dst, o + cb0 * sd, res);
+    store_floats<T, V>(dst, o + cb1 * sd, res + V);
+  }
+
+  static __device__ __forceinline__ void phase3(const Params& p, State& st, Shared& sh) {
+#pragma unroll
+    for (int k = 0; k < kTileItems; ++k) {
+      i64 tt, tok, grp, r, u;
+      if (item(p, threadIdx.x + (i64)k * blockDim.x, tt, tok, grp, r, u))
+        finish(p, sh, tt, tok, grp, r, u, st.a[k], st.b[k]);
+    }
+    const i64 items = p.n_hsub * p.n_groups * rows(p) * p.n_units;
+    for (i64 i = threadIdx.x + (i64)kTileItems * blockDim.x; i < items; i += blockDim.x) {
+      i64 tt, tok, grp, r, u;
+      if (!item(p, i, tt, tok, grp, r, u)) continue;
+      Vec<T, V> a, b;
+      load(p, tok, grp, r, u, a, b);
+      finish(p, sh, tt, tok, grp, r, u, a, b);
+    }
+  }
+};
+
+}  // namespace cupy_rope
+
+// Entry points qkvt_<dtype>_v<V>_<n|i>_<f|b> (cupy_rope/_kernels.py).
+#define CUPY_QKVT_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_TILED_ENTRY(NAME, (cupy_rope::QkvTiled<T, V, INTERLEAVED, BACKWARD>), cupy_rope::QkvParams)

@@ -240,12 +240,12 @@ __device__ __forceinline__ void run_tiled(const typename K::Params& p) {
 
 #define CUPY_ROPE_STRIP(...) __VA_ARGS__
 #ifndef CUPY_ROPE_TILED_ENTRY
-#define CUPY_ROPE_TILED_ENTRY(NAME, K)                                                          \
+#define CUPY_ROPE_TILED_ENTRY(NAME, K, PARAMS)                                                  \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, CUPY_ROPE_TILE_MIN_BLOCKS)        \
-      NAME(const cupy_rope::RopeParams p) {                                                      \
+      NAME(const PARAMS p) {                                                                     \
     cupy_rope::run_tiled<CUPY_ROPE_STRIP K>(p);                                                  \
   }
 #endif
 // Entry points ropet_<dtype>_v<V>_<n|i>_<f|b> (cupy_rope/_kernels.py).
 #define CUPY_ROPET_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
-  CUPY_ROPE_TILED_ENTRY(NAME, (cupy_rope::RopeTiled<T, V, INTERLEAVED, BACKWARD>))
+  CUPY_ROPE_TILED_ENTRY(NAME, (cupy_rope::RopeTiled<T, V, INTERLEAVED, BACKWARD>), cupy_rope::RopeParams)
