@@ -418,29 +418,41 @@ def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleave
     dimp = int(dim * rp) if rp < 1.0 else dim
     if dimp < 1:
         raise ValueError(f"cupy_rope: `rotary_percent`: expected int(dim * rotary_percent) >= 1, got {dimp}")
-    f32 = np.float32
-    exps = np.arange(0, dimp, 2, dtype=f32) / f32(dimp)
-    inv_freq = (f32(1.0) / (f32(base) ** exps)).astype(f32)
-    seq = np.arange(max_seq_len, dtype=f32) + f32(offset)
-    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
-    if P is not None and F is not None:
-        if max_seq_len > P * F:
-            seq = seq * f32(1.0 / (max_seq_len / P))
-        else:
-            seq = seq * f32(1.0 / F)
-    f = np.outer(seq, inv_freq).astype(f32)
-    if interleaved:
-        emb = np.stack([f, f], axis=-1).reshape(max_seq_len, -1)
-    else:
-        emb = np.concatenate([f, f], axis=-1)
-    emb = np.ascontiguousarray(emb.reshape(max_seq_len, 1, 1, emb.shape[-1]))
-    if like is None:
-        return emb
-    kind = _interop.kind_of(like)
-    if kind == "torch":
+    kind = _interop.kind_of(like) if like is not None else "numpy"
+    if kind == "torch":  # TE's own ops on the tensor's device: bit-identical to TE's table there
         import torch
 
-        return torch.from_numpy(emb).to(like.device)
+        xp, f32 = torch, torch.float32
+
+        def arange(*a):
+            return torch.arange(*a, dtype=f32, device=like.device)
+    else:
+        xp, f32 = np, np.float32
+
+        def arange(*a):
+            return np.arange(*a, dtype=f32)
+    # spec section 2, in float32 throughout (Python scalars act in float32, as in TE)
+    inv_freq = 1.0 / (float(base) ** (arange(0, dimp, 2) / dimp))
+    if kind != "torch":  # powf correctly rounded (through float64), then the float32 reciprocal
+        exps = arange(0, dimp, 2) / f32(dimp)
+        inv_freq = (f32(1.0) / (np.float64(np.float32(base)) ** exps.astype(np.float64)).astype(f32)).astype(f32)
+    seq = arange(max_seq_len) + offset
+    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
+    if P is not None and F is not None:
+        scale = 1 / (max_seq_len / P) if max_seq_len > P * F else 1 / F
+        seq = seq * (scale if kind == "torch" else f32(scale))
+    f = xp.outer(seq, inv_freq)
+    if kind != "torch":
+        seq = seq.astype(f32)
+        f = f.astype(f32)
+    if interleaved:
+        emb = xp.stack([f, f], -1).reshape(max_seq_len, -1)
+    else:
+        emb = xp.concatenate([f, f], -1)
+    emb = emb.reshape(max_seq_len, 1, 1, emb.shape[-1])
+    if kind == "torch":
+        return emb.contiguous()
+    emb = np.ascontiguousarray(emb)
     if kind == "cupy":
         import cupy
 

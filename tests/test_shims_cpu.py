@@ -151,3 +151,27 @@ def test_te_dropin_matches_reference():
     torch.testing.assert_close(d2, d)
 
 
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(rotary_percent=0.5), dict(interleaved=True, base=500000.0),
+                                dict(seq_len_interpolation_factor=2, pretrained_max_position_embeddings=100, offset=3),
+                                dict(seq_len_interpolation_factor=4, pretrained_max_position_embeddings=1000)])
+def test_rope_freqs_matches_te_formula(kw):
+    """TE's RotaryPositionEmbedding written out with torch ops (spec 2) == rope_freqs, bit for bit."""
+    dim, L = 96, 300
+    base = kw.get("base", 10000.0)
+    rp = kw.get("rotary_percent", 1.0)
+    d = int(dim * rp) if rp < 1.0 else dim
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    seq = torch.arange(L, dtype=torch.float32) + kw.get("offset", 0)
+    P, F = kw.get("pretrained_max_position_embeddings"), kw.get("seq_len_interpolation_factor")
+    if P is not None and F is not None:
+        seq *= 1 / (L / P) if L > P * F else 1 / F
+    f = torch.einsum("i , j -> i j", seq, inv)
+    emb = torch.stack((f.view(-1, 1), f.view(-1, 1)), dim=-1).view(f.shape[0], -1) if kw.get("interleaved") \
+        else torch.cat((f, f), dim=-1)
+    want = emb.reshape(L, 1, 1, -1).numpy()
+    got = cupy_rope.rope_freqs(dim, L, **kw)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(cupy_rope.rope_freqs(dim, L, like=torch.empty(0), **kw).numpy(), want)
