@@ -159,7 +159,7 @@ def test_te_dropin_matches_reference():
 def test_rope_freqs_matches_te_formula(kw):
     """TE's RotaryPositionEmbedding written out with torch ops (spec 2): ``rope_freqs(like=tensor)``
     runs those ops on the tensor's device (bit for bit); the NumPy table uses a correctly rounded
-    float32 pow, so it may differ from a platform's powf by 1 ulp in a few entries."""
+    float32 pow, so it may differ from a platform's powf by an ulp or two in a few entries."""
     dim, L = 96, 300
     base = kw.get("base", 10000.0)
     rp = kw.get("rotary_percent", 1.0)
@@ -175,5 +175,5 @@ def test_rope_freqs_matches_te_formula(kw):
     want = emb.reshape(L, 1, 1, -1).numpy()
     got = cupy_rope.rope_freqs(dim, L, **kw)
     assert got.dtype == np.float32 and got.shape == want.shape
-    np.testing.assert_array_max_ulp(got, want, maxulp=1)
+    np.testing.assert_array_max_ulp(got, want, maxulp=2)  # 1 ulp of inv_freq, then the product
     np.testing.assert_array_equal(cupy_rope.rope_freqs(dim, L, like=torch.empty(0), **kw).numpy(), want)
