@@ -397,12 +397,15 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
 def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleaved=False,
                seq_len_interpolation_factor=None, pretrained_max_position_embeddings=None, offset=0,
                like=None):
-    """TransformerEngine's standard angle table (spec section 2), bit-identical in float32.
+    """TransformerEngine's standard angle table (spec section 2), in float32 throughout.
 
     Returns ``[max_seq_len, 1, 1, d2]`` float32 with ``d2 = 2*ceil(dim'/2)``,
-    ``dim' = int(dim * rotary_percent)`` (when ``rotary_percent < 1``). Built with NumPy and
-    returned in the array library of ``like`` (NumPy when ``None``; CuPy, torch or JAX
-    arrays put it on the same device).
+    ``dim' = int(dim * rotary_percent)`` (when ``rotary_percent < 1``), in the array library of
+    ``like`` (NumPy when ``None``). With a torch tensor as ``like`` the table is built with TE's
+    own torch operations on that tensor's device, so it is bit-identical to TE's table there;
+    otherwise NumPy builds it with a correctly rounded float32 ``pow`` (a platform's ``powf``
+    may differ in the last bit of a few ``inv_freq`` entries) and CuPy/JAX get a copy on
+    ``like``'s device.
 
     Example:
         >>> import cupy_rope
