@@ -234,14 +234,16 @@ def _norm(shape, strides):
     return tuple(0 if n == 1 else s for n, s in zip(shape, strides))
 
 
-def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
-    """Widest vector (elements) valid for every (ptr, row strides, channel stride) given."""
+def pick_vec(dtype: str, d: int, d2: int, arrays, max_bytes: int = 16) -> int:
+    """Widest vector (elements, at most ``max_bytes``) valid for every (ptr, row strides,
+    channel stride) given."""
     isz = ITEMSIZE[dtype]
+    max_bytes = _MAX_VEC_BYTES or max_bytes
     h2 = d2 // 2
     for v in sorted(_kernels.vector_widths(dtype), reverse=True):
         if v == 1:
             return 1
-        if h2 % v or d % v or v * isz > _MAX_VEC_BYTES:
+        if h2 % v or d % v or v * isz > max_bytes:
             continue
         ok = True
         for ptr, row_strides, sd in arrays:
@@ -259,11 +261,13 @@ def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
 SMEM_ANGLES = 2048
 MAX_TILE_TOKENS = 64
 TILE_ITEMS = int(os.environ.get("CUPY_ROPE_TILE_ITEMS", "2"))  # = CUPY_ROPE_TILE_ITEMS in rope.cu
-_KERNEL = os.environ.get("CUPY_ROPE_KERNEL", "tiled")  # "tiled" or "rows" (tuning/comparison)
+# Measured on the H200 (benchmarks/NOTES.md): the row kernels with 8-byte vectors (rope) and
+# 1024 resident threads per SM aimed at are the fastest so far; "tiled" stays selectable.
+_KERNEL = os.environ.get("CUPY_ROPE_KERNEL", "rows")  # "rows" or "tiled"
 
 # Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in bytes.
-_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "2048"))
-_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "16"))
+_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "1024"))
+_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "0"))  # 0: per kernel (rope 8, QKV 16)
 
 
 def rows_per_thread(n_tok: int, n_units: int, n_rows: int, sm_count: int) -> int:
@@ -319,7 +323,8 @@ class RopePlan:
         xst = _norm(x.shape, x.strides)
         yst = _norm(y.shape, y.strides)
         vec = pick_vec(self.dtype, self.d, self.table.d2,
-                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])])
+                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])],
+                       max_bytes=16 if _KERNEL == "tiled" else 8)
         n_rot = self.table.d2 // 2 // vec
         n_units = n_rot + (self.d - self.table.d2) // vec
         tiled = _KERNEL == "tiled" and self.table.d2 <= SMEM_ANGLES

@@ -30,9 +30,16 @@ def test_numpy_backend(case, backward):
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
 
 
+@pytest.fixture(params=["rows", "tiled"])
+def kernel(request, monkeypatch):
+    """Both kernel families (row kernels are the default; tiled ones are selectable)."""
+    monkeypatch.setattr(_plan, "_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
-def test_host_kernels(case, backward):
+def test_host_kernels(case, backward, kernel):
     """The real .cu source, compiled with g++, through the real launch plan."""
     x, freqs, kw = inputs(case)
     plan = _plan_for(x, freqs, kw, backward)
@@ -44,7 +51,7 @@ def test_host_kernels(case, backward):
 
 @pytest.mark.parametrize("vec_case", ["vector", "scalar"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_host_kernel_vector_widths(vec_case, dtype):
+def test_host_kernel_vector_widths(vec_case, dtype, kernel):
     """Aligned contiguous input takes the 16-byte path; an odd offset forces the scalar one."""
     from cases import NP_DTYPES
 
@@ -80,10 +87,11 @@ def test_in_place_and_out():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_host_tiled_kernel_many_heads_and_partial_tiles(dtype):
+def test_host_tiled_kernel_many_heads_and_partial_tiles(dtype, monkeypatch):
     """Many heads (items beyond the preloaded ones per thread) and a last partial tile."""
     from cases import NP_DTYPES
 
+    monkeypatch.setattr(_plan, "_KERNEL", "tiled")
     rng = np.random.default_rng(9)
     for shape, layout in (((5, 2, 300, 64), "sbhd"), ((37, 3, 64), "thd"), ((3, 13, 2, 64), "bshd")):
         x = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])

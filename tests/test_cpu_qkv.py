@@ -42,8 +42,14 @@ def qkv_case(i, layout, g, n, d):
     return dtype, qkv, qf, kf, kw
 
 
+@pytest.fixture(params=["rows", "tiled"])
+def kernel(request, monkeypatch):
+    monkeypatch.setattr(_plan, "_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("i,layout,g,n,d", [(i,) + c for i, c in enumerate(GRID)])
-def test_qkv(i, layout, g, n, d):
+def test_qkv(i, layout, g, n, d, kernel):
     dtype, qkv, qf, kf, kw = qkv_case(i, layout, g, n, d)
     split = (n * d, d, d)
     pos_kw = {k: v for k, v in kw.items()}
