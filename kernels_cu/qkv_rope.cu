@@ -117,7 +117,7 @@ __device__ __forceinline__ void qkv_body(const QkvParams& p) {
   CUPY_ROPE_ENTRY(NAME, cupy_rope::QkvParams, (cupy_rope::qkv_body<T, V, INTERLEAVED, BACKWARD>))
 
 // ---------------------------------------------------------------------------------------------
-// Tiled variant (the default; see RopeTiled in rope.cu): one block per tile of TT tokens, items
+// Tiled variant (opt-in, CUPY_ROPE_KERNEL=tiled; see RopeTiled in rope.cu): one block per tile of TT tokens, items
 // (group, row, unit) loaded first, positions and cos/sin of the tile (q table, and k table when
 // it differs) once per block in shared memory, then rotate/copy and store.
 namespace cupy_rope {

@@ -68,7 +68,8 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
   CUPY_ROPE_ENTRY(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>))
 
 // ---------------------------------------------------------------------------------------------
-// Tiled variant (the default): one block per tile of TT consecutive tokens. Every thread first
+// Tiled variant (opt-in, CUPY_ROPE_KERNEL=tiled; measured slower than the row kernel, see
+// benchmarks/NOTES.md): one block per tile of TT consecutive tokens. Every thread first
 // issues the loads of its first kTileItems (head, unit) items, then the block computes each
 // token's position once and each (token, channel) cos/sin once into shared memory (sincos
 // overlaps the loads in flight), then every thread rotates and stores its items. Few registers
