@@ -435,19 +435,17 @@ def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleave
         def arange(*a):
             return np.arange(*a, dtype=f32)
     # spec section 2, in float32 throughout (Python scalars act in float32, as in TE)
-    inv_freq = 1.0 / (float(base) ** (arange(0, dimp, 2) / dimp))
-    if kind != "torch":  # powf correctly rounded (through float64), then the float32 reciprocal
-        exps = arange(0, dimp, 2) / f32(dimp)
-        inv_freq = (f32(1.0) / (np.float64(np.float32(base)) ** exps.astype(np.float64)).astype(f32)).astype(f32)
+    exps = arange(0, dimp, 2) / dimp
+    if kind == "torch":
+        inv_freq = 1.0 / (float(base) ** exps)
+    else:  # powf correctly rounded (through float64), then the float32 reciprocal
+        inv_freq = f32(1.0) / (np.float64(f32(base)) ** exps.astype(np.float64)).astype(f32)
     seq = arange(max_seq_len) + offset
     P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
     if P is not None and F is not None:
         scale = 1 / (max_seq_len / P) if max_seq_len > P * F else 1 / F
         seq = seq * (scale if kind == "torch" else f32(scale))
     f = xp.outer(seq, inv_freq)
-    if kind != "torch":
-        seq = seq.astype(f32)
-        f = f.astype(f32)
     if interleaved:
         emb = xp.stack([f, f], -1).reshape(max_seq_len, -1)
     else:
