@@ -114,13 +114,7 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
     if xi.device[0] != "cuda":
         raise ValueError(f"cupy_rope: `{x_name}`: expected a CPU or CUDA array, got device {xi.device}")
     dev = xi.device[1]
-    if out is not None:
-        y = out
-    elif plan.transpose_output:
-        s, b, h, d = plan.shape
-        y = _interop.permuted(_interop.empty(kind, (b, s, h, d), xi.dtype, dev, x), kind, (1, 0, 2, 3))
-    else:
-        y = _interop.empty(kind, plan.shape, xi.dtype, dev, x)
+    y = out if out is not None else _interop.empty_like(kind, args.native["x"], plan.shape, plan.transpose_output)[0]
     if xi.size:
         yi = _interop.info(y, args.kinds["out"] if out is not None else kind)
         name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
@@ -180,31 +174,12 @@ def _cache_put(key, name, grid, block, params, slots, outputs):
     _CACHE[key] = (name, grid, block, params, slots, outputs)
 
 
-def _empty_like_kind(kind, like, shape, transposed):
-    """Contiguous (or sbhd-over-bshd when ``transposed``) output next to ``like``."""
-    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
-    if kind == "torch":
-        import torch
-
-        y = torch.empty(alloc, dtype=like.dtype, device=like.device)
-        return (y.permute(1, 0, 2, 3) if transposed else y), y.data_ptr()
-    import cupy
-
-    dev = like.device.id
-    if cupy.cuda.runtime.getDevice() == dev:
-        y = cupy.empty(alloc, dtype=like.dtype)
-    else:
-        with cupy.cuda.Device(dev):
-            y = cupy.empty(alloc, dtype=like.dtype)
-    return (y.transpose(1, 0, 2, 3) if transposed else y), y.data.ptr
-
-
 def _cached_launch(kind, entry, ptrs, like):
     """Allocate the outputs, patch every address into the cached parameters, launch."""
     name, grid, block, params, slots, outputs = entry
     results = []
     for oname, shape, transposed in outputs:
-        y, p = _empty_like_kind(kind, like, shape, transposed)
+        y, p = _interop.empty_like(kind, like, shape, transposed)
         if p % 16:
             return None  # alignment differs from the cached plan's: take the full path
         ptrs[oname] = p
@@ -324,14 +299,13 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     dev = ri.device[1]
     native = args.native[ref]
     if backward:
-        packed = _interop.empty(kind, plan.packed_shape, ri.dtype, dev, native)
+        packed = _interop.empty_like(kind, native, plan.packed_shape)[0]
         pi = _interop.info(packed, kind)
         qi, ki, vi = inf["dq"], inf["dk"], inf["dv"]
         result = packed
     else:
-        q = _interop.empty(kind, plan.q_shape, ri.dtype, dev, native)
-        k = _interop.empty(kind, plan.kv_shape, ri.dtype, dev, native)
-        v = _interop.empty(kind, plan.kv_shape, ri.dtype, dev, native)
+        q, k, v = (_interop.empty_like(kind, native, shape)[0]
+                   for shape in (plan.q_shape, plan.kv_shape, plan.kv_shape))
         pi, qi, ki, vi = ri, _interop.info(q, kind), _interop.info(k, kind), _interop.info(v, kind)
         result = (q, k, v)
     if pi.size:

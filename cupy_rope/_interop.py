@@ -140,31 +140,27 @@ def write_into(out, kind: str, y: np.ndarray) -> None:
 
 
 # --------------------------------------------------------------------- GPU allocation, streams
-def empty(kind: str, shape: tuple, dtype: str, device_index: int, like=None):
-    """A new contiguous array in the caller's framework on ``device_index``."""
+def empty_like(kind: str, like, shape: tuple, transposed: bool = False):
+    """(new array, its address): ``like``'s dtype and device, allocated by the caller's framework
+    (torch's caching allocator, CuPy's pool); contiguous, or for ``transposed`` an sbhd view over
+    bshd-ordered memory (``transpose_output_memory``)."""
+    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
     if kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=_torch_dtypes()[dtype], device=like.device)
-    if kind == "cupy":
-        import cupy
+        y = torch.empty(alloc, dtype=like.dtype, device=like.device)
+        return (y.permute(1, 0, 2, 3) if transposed else y), y.data_ptr()
+    if kind != "cupy":
+        raise TypeError(f"cupy_rope: cannot allocate for {kind}")
+    import cupy
 
-        with cupy.cuda.Device(device_index):
-            return cupy.empty(shape, dtype=_cupy_dtype(dtype))
-    raise TypeError(f"cupy_rope: cannot allocate for {kind}")
-
-
-def _cupy_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
-
-
-def permuted(a, kind: str, order: tuple):
-    """View of ``a`` with axes permuted (used for transpose_output_memory)."""
-    return a.permute(*order) if kind == "torch" else a.transpose(order)
+    dev = like.device.id
+    if cupy.cuda.runtime.getDevice() == dev:
+        y = cupy.empty(alloc, dtype=like.dtype)
+    else:
+        with cupy.cuda.Device(dev):
+            y = cupy.empty(alloc, dtype=like.dtype)
+    return (y.transpose(1, 0, 2, 3) if transposed else y), y.data.ptr
 
 
 def current_stream(kind: str, device_index: int) -> int:

@@ -11,9 +11,11 @@ from ._plan import QkvPlan, RopePlan, Table
 from ._positions import table_mask, token_positions
 
 
-def _rotate(xp, x, freqs, table: Table, mask_pos, interleaved: bool, backward: bool):
-    """Rotate ``x`` [lead..., h, d] with table rows ``p`` where ``mask`` (copy elsewhere)."""
-    p, mask = mask_pos
+def _rotate(xp, x, freqs, table: Table, positions, interleaved: bool, backward: bool):
+    """Rotate ``x`` [lead..., h, d] at ``positions`` = (p, in_seq); tokens outside a sequence
+    or the table are copied (spec 5.4)."""
+    p, in_seq = positions
+    mask = table_mask(xp, p, in_seq, table.rows)
     d2 = table.d2
     f2 = xp.asarray(freqs).reshape(freqs.shape[0], d2)
     ang = f2[xp.where(mask, p, 0)][..., None, :]  # lead..., 1, d2
@@ -38,16 +40,17 @@ def _rotate(xp, x, freqs, table: Table, mask_pos, interleaved: bool, backward: b
     return xp.concatenate([yr, x[..., d2:]], axis=-1) if d2 < x.shape[-1] else yr
 
 
-def _positions(xp, plan, lead_shape, rows, cu, sp):
-    p, in_seq = token_positions(xp, plan.pos, lead_shape, cu, sp)
-    return p, table_mask(xp, p, in_seq, rows)
-
-
 def rope(xp, plan: RopePlan, x, freqs, cu=None, sp=None):
     """Spec 3 (forward) or 4 (backward, ``plan.backward``) for one tensor; new array."""
-    lead = tuple(x.shape[:-2])
-    mp = _positions(xp, plan, lead, plan.table.rows, cu, sp)
-    return _rotate(xp, x, freqs, plan.table, mp, plan.interleaved, plan.backward)
+    positions = token_positions(xp, plan.pos, tuple(x.shape[:-2]), cu, sp)
+    return _rotate(xp, x, freqs, plan.table, positions, plan.interleaved, plan.backward)
+
+
+def _rotate_qk(xp, plan: QkvPlan, q, k, q_freqs, k_freqs, cu, sp, backward: bool):
+    """q and k rotated with their own tables at the same positions (computed once)."""
+    positions = token_positions(xp, plan.pos, plan.lead_shape, cu, sp)
+    return (_rotate(xp, q, q_freqs, plan.q_table, positions, plan.interleaved, backward),
+            _rotate(xp, k, k_freqs, plan.k_table, positions, plan.interleaved, backward))
 
 
 def qkv_forward(xp, plan: QkvPlan, qkv, q_freqs, k_freqs, cu=None, sp=None):
@@ -56,18 +59,12 @@ def qkv_forward(xp, plan: QkvPlan, qkv, q_freqs, k_freqs, cu=None, sp=None):
     q = qkv[..., : n * d].reshape(lead + (g * n, d))
     k = qkv[..., n * d: (n + 1) * d]
     v = qkv[..., (n + 1) * d:]
-    q = _rotate(xp, q, q_freqs, plan.q_table, _positions(xp, plan, lead, plan.q_table.rows, cu, sp),
-                plan.interleaved, False)
-    k = _rotate(xp, k, k_freqs, plan.k_table, _positions(xp, plan, lead, plan.k_table.rows, cu, sp),
-                plan.interleaved, False)
+    q, k = _rotate_qk(xp, plan, q, k, q_freqs, k_freqs, cu, sp, False)
     return q, k, xp.array(v, copy=True)
 
 
 def qkv_backward(xp, plan: QkvPlan, dq, dk, dv, q_freqs, k_freqs, cu=None, sp=None):
     """Spec 6 backward: (dq, dk, dv) -> packed dqkv."""
     lead, g, n, d = plan.lead_shape, plan.groups, plan.n_q, plan.d
-    gq = _rotate(xp, dq, q_freqs, plan.q_table, _positions(xp, plan, lead, plan.q_table.rows, cu, sp),
-                 plan.interleaved, True)
-    gk = _rotate(xp, dk, k_freqs, plan.k_table, _positions(xp, plan, lead, plan.k_table.rows, cu, sp),
-                 plan.interleaved, True)
+    gq, gk = _rotate_qk(xp, plan, dq, dk, q_freqs, k_freqs, cu, sp, True)
     return xp.concatenate([gq.reshape(lead + (g, n * d)), gk, dv.astype(gk.dtype)], axis=-1)

@@ -278,6 +278,25 @@ def rows_per_thread(n_tok: int, n_units: int, n_rows: int, sm_count: int) -> int
     return -(-n_rows // groups)
 
 
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, angles: int, sm_count: int):
+    """Work split shared by the rope and QKV kernels.
+
+    Each token has ``n_sets`` sets of ``rows`` rows (rope: 1 x heads; QKV: groups x (n + 2)), each
+    row ``n_units`` units of ``vec``-wide vectors; ``angles`` = shared-memory angles per tiled
+    token. Returns (n_rot_units, n_units, tiled, split, blocks): ``split`` = tokens per block
+    (tiled kernels) or row subsets per set (row kernels).
+    """
+    n_rot = d2 // 2 // vec
+    n_units = n_rot + (d - d2) // vec
+    if _KERNEL == "tiled" and angles <= SMEM_ANGLES:  # TILE_ITEMS items per thread, within smem
+        tt = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(n_sets * rows * n_units, 1), MAX_TILE_TOKENS,
+                        SMEM_ANGLES // max(angles, 1)))
+        return n_rot, n_units, True, tt, -(-n_tok // tt)
+    per = rows_per_thread(n_tok * n_sets, n_units, rows, sm_count)
+    split = -(-rows // per)  # one thread per (token, set, row subset, unit)
+    return n_rot, n_units, False, split, -(-(n_tok * n_sets * split * n_units) // _kernels.BLOCK)
+
+
 # ------------------------------------------------------------------------ plans
 ROPE_FIELDS = (
     "x", "y", "freqs", "n_tok", "n_inner", "xs0", "xs1", "xsh", "xsd", "ys0", "ys1", "ysh", "ysd",
@@ -325,18 +344,8 @@ class RopePlan:
         vec = pick_vec(self.dtype, self.d, self.table.d2,
                        [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])],
                        max_bytes=16 if _KERNEL == "tiled" else 8)
-        n_rot = self.table.d2 // 2 // vec
-        n_units = n_rot + (self.d - self.table.d2) // vec
-        tiled = _KERNEL == "tiled" and self.table.d2 <= SMEM_ANGLES
-        if tiled:  # tokens per block: TILE_ITEMS items per thread, within shared memory
-            ipt = self.heads * n_units
-            groups = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(ipt, 1), MAX_TILE_TOKENS,
-                                SMEM_ANGLES // max(self.table.d2, 1)))
-            blocks = -(-n_tok // groups)
-        else:  # one thread per (token, head group, unit)
-            per = rows_per_thread(n_tok, n_units, self.heads, sm_count)
-            groups = -(-self.heads // per)
-            blocks = -(-(n_tok * groups * n_units) // _kernels.BLOCK)
+        n_rot, n_units, tiled, groups, blocks = split_work(n_tok, 1, self.heads, self.d, self.table.d2, vec,
+                                                           self.table.d2, sm_count)
         vals = dict(
             x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
             xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
@@ -458,20 +467,10 @@ class QkvPlan:
         arrays = [(packed.ptr, st["p"][:-1], st["p"][-1])]
         arrays += [(a.ptr, st[n][:-1], st[n][-1]) for n, a in (("q", q), ("k", k), ("v", v))]
         vec = pick_vec(self.dtype, self.d, self.q_table.d2, arrays)
-        n_rot = self.q_table.d2 // 2 // vec
-        n_units = n_rot + (self.d - self.q_table.d2) // vec
-        rows = self.n_q + 2
         tables = 1 if self.k_same_table else 2
-        tiled = _KERNEL == "tiled" and tables * self.q_table.d2 <= SMEM_ANGLES
-        if tiled:  # tokens per block (n_hsub holds TT for the tiled kernel)
-            ipt = self.groups * rows * n_units
-            n_hsub = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(ipt, 1), MAX_TILE_TOKENS,
-                                SMEM_ANGLES // max(tables * self.q_table.d2, 1)))
-            blocks = -(-n_tok // n_hsub)
-        else:  # one thread per (token, group, row subset, unit)
-            per = rows_per_thread(n_tok * self.groups, n_units, rows, sm_count)
-            n_hsub = -(-rows // per)
-            blocks = -(-(n_tok * self.groups * n_hsub * n_units) // _kernels.BLOCK)
+        n_rot, n_units, tiled, n_hsub, blocks = split_work(n_tok, self.groups, self.n_q + 2, self.d,
+                                                           self.q_table.d2, vec, tables * self.q_table.d2,
+                                                           sm_count)
         vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
                     k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=self.groups,
                     n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_hsub=n_hsub, n_units=n_units,

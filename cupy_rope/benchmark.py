@@ -386,8 +386,6 @@ def _time_peer(fn, ref, idx, copy_us):
 
 
 def run_row(rid, desc, spec, quick=False, peers=True):
-    import torch
-
     p = Problem(spec)
     n_launch = p.nbuf * max(1, (4 if quick else 12) // p.nbuf) if p.per > 2**20 else (100 if quick else 400)
     idx = [i % p.nbuf for i in range(n_launch)]

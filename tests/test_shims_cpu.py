@@ -177,3 +177,15 @@ def test_rope_freqs_matches_te_formula(kw):
     assert got.dtype == np.float32 and got.shape == want.shape
     np.testing.assert_array_max_ulp(got, want, maxulp=2)  # 1 ulp of inv_freq, then the product
     np.testing.assert_array_equal(cupy_rope.rope_freqs(dim, L, like=torch.empty(0), **kw).numpy(), want)
+
+
+def test_empty_like_allocates_in_the_callers_framework():
+    from cupy_rope import _interop
+
+    like = torch.zeros(3, 2, 4, 8, dtype=torch.bfloat16)
+    y, ptr = _interop.empty_like("torch", like, (3, 2, 4, 8))
+    assert y.shape == (3, 2, 4, 8) and y.dtype == torch.bfloat16 and y.is_contiguous() and ptr == y.data_ptr()
+    t, ptr = _interop.empty_like("torch", like, (3, 2, 4, 8), transposed=True)  # sbhd view of bshd memory
+    assert t.shape == (3, 2, 4, 8) and t.stride() == (4 * 8, 3 * 4 * 8, 8, 1) and ptr == t.data_ptr()
+    with pytest.raises(TypeError, match="cannot allocate"):
+        _interop.empty_like("numpy", np.zeros(3), (3,))
