@@ -151,7 +151,16 @@ def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, s
 
 def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
                         start_positions=None, cp_size=1, cp_rank=0):
-    """:func:`cupy_rope.apply_rope_backward` for JAX arrays (differentiable: its VJP is the forward)."""
+    """:func:`cupy_rope.apply_rope_backward` for JAX arrays (differentiable: its VJP is the forward).
+
+    ``grad``: the forward input's shape and dtype; keywords as :func:`apply_rope`.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> crj.apply_rope_backward(jnp.ones((16, 1, 2, 64)), f).shape
+        (16, 1, 2, 64)
+    """
     return _per_rank(cp_size, cp_rank, lambda r: _rope(grad, freqs, cu_seqlens, start_positions, layout,
                                                        bool(interleaved), int(cp_size), r, True))
 
@@ -249,7 +258,16 @@ def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_he
 
 def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None,
                             interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
-    """:func:`cupy_rope.apply_qkv_rope_backward` for JAX arrays -> packed ``dqkv``."""
+    """:func:`cupy_rope.apply_qkv_rope_backward` for JAX arrays: ``dq [.., g*n, d]``,
+    ``dk``/``dv [.., g, d]`` -> packed ``dqkv [.., g, (n+2)*d]``.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 8))
+        >>> crj.apply_qkv_rope_backward(jnp.ones((8, 1, 8, 64)), jnp.ones((8, 1, 2, 64)),
+        ...                             jnp.ones((8, 1, 2, 64)), f, f).shape
+        (8, 1, 2, 384)
+    """
     g, d = dk.shape[-2], dk.shape[-1]
     n = dq.shape[-2] // max(g, 1)
     sp = _static_split(g, (n + 2) * d, split, num_q_heads, "dqkv") if (split is not None or num_q_heads is not None) \

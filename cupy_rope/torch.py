@@ -156,7 +156,17 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
 
 
 def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", **kw) -> torch.Tensor:
-    """Differentiable :func:`cupy_rope.apply_rope_backward` (its gradient is the forward)."""
+    """Differentiable :func:`cupy_rope.apply_rope_backward` (its gradient is the forward).
+
+    ``grad`` has the forward input's shape (any strides, stride 0 included), float32/16/bf16;
+    keywords as :func:`apply_rope`. Returns dL/dx, contiguous.
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+        >>> crt.apply_rope_backward(torch.ones(16, 2, 4, 64), f).shape
+        torch.Size([16, 2, 4, 64])
+    """
     return _rope_op(grad, freqs, layout, kw.get("interleaved", False), kw.get("cu_seqlens"),
                     kw.get("start_positions"), kw.get("cp_size", 1), kw.get("cp_rank", 0), True,
                     kw.get("transpose_output_memory", False))
