@@ -192,7 +192,8 @@ def run_short_bench(dev, quick=False):
 
 
 def print_bench(rows, dev):
-    what = "device time (CUDA events)" if dev == "gpu" else "wall time, NumPy backend"
+    what = ("time per call: CUDA events around back-to-back calls, host cost included where it exceeds "
+            "the kernel; `python -m cupy_rope bench` for device times" if dev == "gpu" else "wall time, NumPy backend")
     print(f"\nbenchmark ({what}; % = a copy of the same bytes over cupy_rope's time):")
     print(f"{'shape':40s} {'copy µs':>9s} {'fwd µs':>9s} {'bwd µs':>9s} {'GB/s fwd':>9s} {'% copy fwd/bwd':>15s}")
     for r in rows:

@@ -58,7 +58,7 @@ def library() -> ctypes.CDLL:
             cpp = Path(tmp) / "rope_host.cpp"
             cpp.write_text(src)
             out = Path(tmp) / so.name
-            cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes",
+            cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", *_kernels.defines(),
                    f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in cuda_include_dirs()],
                    str(cpp), "-o", str(out)]
             r = subprocess.run(cmd, capture_output=True, text=True)

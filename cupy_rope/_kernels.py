@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import os
 import re
 from pathlib import Path
 
 # Kernel kinds: the source file that defines them and their entry-point macro.
-KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropet": "CUPY_ROPET_KERNEL", "qkv": "CUPY_QKV_KERNEL",
-         "qkvt": "CUPY_QKVT_KERNEL"}
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -44,7 +44,7 @@ def all_kernels() -> list[str]:
     ]
 
 
-_NAME = re.compile(r"^(rope|ropet|qkv|qkvt)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
+_NAME = re.compile(r"^(rope|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 
 def entry_line(name: str) -> str:
@@ -98,5 +98,12 @@ def source_for(names) -> str:
     return base_source() + "\n".join(entry_line(n) for n in names) + "\n"
 
 
+def defines() -> tuple[str, ...]:
+    """Extra compiler options for every build of the source (NVRTC and the host build): tuning
+    defines from ``CUPY_ROPE_DEFINES``, for benchmarks only (e.g. ``"-DCUPY_ROPE_BATCH=2"``)."""
+    return tuple(v for v in re.split(r"[\s;]+", os.environ.get("CUPY_ROPE_DEFINES", "")) if v)
+
+
 def source_hash() -> str:
-    return hashlib.sha1(base_source().encode()).hexdigest()[:16]
+    """Identifies the source and its defines (compile caches key on it)."""
+    return hashlib.sha1((base_source() + " ".join(defines())).encode()).hexdigest()[:16]

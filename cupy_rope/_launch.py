@@ -9,8 +9,6 @@ no stream object, so the host cost stays a few microseconds.
 from __future__ import annotations
 
 import ctypes
-import os
-import re
 import threading
 
 from . import _kernels
@@ -21,9 +19,7 @@ _sm_count: dict = {}
 
 
 def _options() -> tuple:
-    # tuning experiments only: e.g. CUPY_ROPE_DEFINES="-DCUPY_ROPE_ROWS_IN_FLIGHT=4;-DCUPY_ROPE_MIN_BLOCKS=1"
-    extra = tuple(v for v in re.split(r"[\s;]+", os.environ.get("CUPY_ROPE_DEFINES", "")) if v)
-    return ("--std=c++17", f"-DCUPY_ROPE_SRC={_kernels.source_hash()}") + extra
+    return ("--std=c++17", f"-DCUPY_ROPE_SRC={_kernels.source_hash()}") + _kernels.defines()
 
 
 def function(name: str, device: int):

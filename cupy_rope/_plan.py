@@ -255,58 +255,44 @@ def pick_vec(dtype: str, d: int, d2: int, arrays, max_bytes: int = 16) -> int:
     return 1
 
 
-# The tiled rope kernel (kernels_cu/rope.cu): shared-memory cos/sin for up to SMEM_ANGLES
-# (token, channel) pairs and MAX_TILE_TOKENS tokens per block; TILE_ITEMS items per thread
-# are loaded before the block computes cos/sin.
-SMEM_ANGLES = 2048
-MAX_TILE_TOKENS = 64
-TILE_ITEMS = int(os.environ.get("CUPY_ROPE_TILE_ITEMS", "2"))  # = CUPY_ROPE_TILE_ITEMS in rope.cu
-# Measured on the H200 (benchmarks/NOTES.md): the row kernels with 8-byte vectors (rope) and
-# 1024 resident threads per SM aimed at are the fastest so far; "tiled" stays selectable.
-_KERNEL = os.environ.get("CUPY_ROPE_KERNEL", "rows")  # "rows" or "tiled"
-
-# Tuning knobs (benchmarks only): resident threads per SM aimed at, widest vector in bytes.
-_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "1024"))
-_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "0"))  # 0: per kernel (rope 8, QKV 16)
+# Resident threads per SM the grid aims at; the rest of the rows loop inside threads (benchmark knob).
+_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "512"))
+_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "0"))  # 0: 16 bytes
 
 
-def rows_per_thread(n_tok: int, n_units: int, n_rows: int, sm_count: int) -> int:
-    """Heads per thread: enough threads to fill the device, the rest reuse cos/sin."""
-    target = sm_count * _THREADS_PER_SM
-    per = max(1, min(n_rows, (n_tok * n_units * n_rows) // max(target, 1)))
-    groups = -(-n_rows // per)
-    return -(-n_rows // groups)
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
+    """Work split shared by the rope and QKV kernels (kernels_cu/rope.cu, qkv_rope.cu).
 
-
-def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, angles: int, sm_count: int):
-    """Work split shared by the rope and QKV kernels.
-
-    Each token has ``n_sets`` sets of ``rows`` rows (rope: 1 x heads; QKV: groups x (n + 2)), each
-    row ``n_units`` units of ``vec``-wide vectors; ``angles`` = shared-memory angles per tiled
-    token. Returns (n_rot_units, n_units, tiled, split, blocks): ``split`` = tokens per block
-    (tiled kernels) or row subsets per set (row kernels).
+    Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
+    n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
+    units of ``tail_w`` vectors. A thread takes one unit of the rows c, c + C, ... of one set
+    (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
+    ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
+    threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
-    n_units = n_rot + (d - d2) // vec
-    if _KERNEL == "tiled" and angles <= SMEM_ANGLES:  # TILE_ITEMS items per thread, within smem
-        tt = max(1, min(TILE_ITEMS * _kernels.BLOCK // max(n_sets * rows * n_units, 1), MAX_TILE_TOKENS,
-                        SMEM_ANGLES // max(angles, 1)))
-        return n_rot, n_units, True, tt, -(-n_tok // tt)
-    per = rows_per_thread(n_tok * n_sets, n_units, rows, sm_count)
-    split = -(-rows // per)  # one thread per (token, set, row subset, unit)
-    return n_rot, n_units, False, split, -(-(n_tok * n_sets * split * n_units) // _kernels.BLOCK)
+    tail = d - d2
+    tail_w = 2 if tail % (2 * vec) == 0 else 1
+    n_units = n_rot + tail // (tail_w * vec)
+    per_chunk = n_tok * n_sets * n_units
+    chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
+    return n_rot, n_units, tail_w, chunks, per_chunk * chunks
+
+
+def blocks_for(threads: int) -> int:
+    return -(-threads // _kernels.BLOCK)
 
 
 # ------------------------------------------------------------------------ plans
 ROPE_FIELDS = (
     "x", "y", "freqs", "n_tok", "n_inner", "xs0", "xs1", "xsh", "xsd", "ys0", "ys1", "ysh", "ysd",
-    "n_heads", "d2", "n_hgroups", "n_units", "n_rot_units", "f_rows", "f_srow", "f_scol",
+    "n_heads", "d2", "n_chunks", "n_units", "n_rot_units", "tail_w", "f_rows", "f_srow", "f_scol",
 )
 QKV_FIELDS = (
     "packed", "q", "k", "v", "q_freqs", "k_freqs", "n_tok", "n_inner",
     "ps0", "ps1", "psg", "psd", "qs0", "qs1", "qsh", "qsd", "ks0", "ks1", "ksh", "ksd",
-    "vs0", "vs1", "vsh", "vsd", "n_groups", "n_q", "d", "d2", "n_hsub", "n_units", "n_rot_units",
-    "qf_rows", "qf_srow", "qf_scol", "kf_rows", "kf_srow", "kf_scol", "k_same_table",
+    "vs0", "vs1", "vsh", "vsd", "n_groups", "n_q", "d", "d2", "n_chunks", "n_units", "n_rot_units",
+    "tail_w", "qf_rows", "qf_srow", "qf_scol", "kf_rows", "kf_srow", "kf_scol", "k_same_table",
 )
 POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "start_positions", "sp_is64",
               "cp_size", "cp_rank")
@@ -342,21 +328,19 @@ class RopePlan:
         xst = _norm(x.shape, x.strides)
         yst = _norm(y.shape, y.strides)
         vec = pick_vec(self.dtype, self.d, self.table.d2,
-                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])],
-                       max_bytes=16 if _KERNEL == "tiled" else 8)
-        n_rot, n_units, tiled, groups, blocks = split_work(n_tok, 1, self.heads, self.d, self.table.d2, vec,
-                                                           self.table.d2, sm_count)
+                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])])
+        n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, self.heads, self.d, self.table.d2,
+                                                             vec, sm_count)
         vals = dict(
             x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
             xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
-            n_heads=self.heads, d2=self.table.d2, n_hgroups=groups, n_units=n_units,
-            n_rot_units=n_rot, f_rows=self.table.rows, f_srow=self.table.srow,
+            n_heads=self.heads, d2=self.table.d2, n_chunks=chunks, n_units=n_units,
+            n_rot_units=n_rot, tail_w=tail_w, f_rows=self.table.rows, f_srow=self.table.srow,
             f_scol=self.table.scol,
         )
         params = pack(ROPE_FIELDS, vals) + pack_pos(self.pos, cu, sp)
-        name = _kernels.kernel_name("ropet" if tiled else "rope", self.dtype, vec, self.interleaved,
-                                    self.backward)
-        return name, blocks, _kernels.BLOCK, params
+        name = _kernels.kernel_name("rope", self.dtype, vec, self.interleaved, self.backward)
+        return name, blocks_for(threads), _kernels.BLOCK, params
 
 
 def pack(fields, vals: dict) -> bytes:
@@ -467,14 +451,12 @@ class QkvPlan:
         arrays = [(packed.ptr, st["p"][:-1], st["p"][-1])]
         arrays += [(a.ptr, st[n][:-1], st[n][-1]) for n, a in (("q", q), ("k", k), ("v", v))]
         vec = pick_vec(self.dtype, self.d, self.q_table.d2, arrays)
-        tables = 1 if self.k_same_table else 2
-        n_rot, n_units, tiled, n_hsub, blocks = split_work(n_tok, self.groups, self.n_q + 2, self.d,
-                                                           self.q_table.d2, vec, tables * self.q_table.d2,
-                                                           sm_count)
+        n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, self.groups, self.n_q + 2, self.d,
+                                                             self.q_table.d2, vec, sm_count)
         vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
                     k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=self.groups,
-                    n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_hsub=n_hsub, n_units=n_units,
-                    n_rot_units=n_rot, k_same_table=self.k_same_table)
+                    n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_chunks=chunks, n_units=n_units,
+                    n_rot_units=n_rot, tail_w=tail_w, k_same_table=self.k_same_table)
         for pre, a in (("p", packed), ("q", q), ("k", k), ("v", v)):
             s0, s1 = token_strides(self.layout, a)
             vals.update({f"{pre}s0": s0, f"{pre}s1": s1, f"{pre}s{'g' if pre == 'p' else 'h'}": st[pre][-2],
@@ -482,9 +464,8 @@ class QkvPlan:
         for pre, t in (("qf", self.q_table), ("kf", self.k_table)):
             vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
         params = pack(QKV_FIELDS, vals) + pack_pos(self.pos, cu, sp)
-        name = _kernels.kernel_name("qkvt" if tiled else "qkv", self.dtype, vec, self.interleaved,
-                                    self.backward)
-        return name, blocks, _kernels.BLOCK, params
+        name = _kernels.kernel_name("qkv", self.dtype, vec, self.interleaved, self.backward)
+        return name, blocks_for(threads), _kernels.BLOCK, params
 
 
 def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[int, int]:
@@ -526,10 +507,10 @@ def _qkv_common(layout, lead_shape, groups, n, d, ref: ArrayInfo, ref_name, q_fr
     kt = check_freqs("k_freqs", k_freqs, d)
     if qt.d2 != kt.d2:
         raise _err("k_freqs", f"the rotary width of `q_freqs` (d2 = {qt.d2})", f"d2 = {kt.d2}")
+    same = q_freqs.ptr == k_freqs.ptr and qt == kt and q_freqs.ptr != 0
     tokens_shape = split_tokens(layout, lead_shape + (0,))[2]
     pos = resolve_positions(layout, tokens_shape, min(qt.rows, kt.rows), cu_seqlens,
                             start_positions, cp_size, cp_rank)
-    same = (q_freqs.ptr == k_freqs.ptr and qt == kt and q_freqs.ptr != 0)
     return QkvPlan(layout=layout, interleaved=interleaved, backward=backward, dtype=ref.dtype,
                    lead_shape=tuple(lead_shape), groups=groups, n_q=n, d=d, q_table=qt,
                    k_table=kt, k_same_table=same, pos=pos)

@@ -9,7 +9,9 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#define CUPY_ROPE_HOST 1
+#ifndef __noinline__
+#define __noinline__ __attribute__((noinline))
+#endif
 
 struct cupy_rope_dim3 {
   unsigned int x, y, z;
@@ -28,8 +30,13 @@ static inline unsigned int __float_as_uint(float a) {
   std::memcpy(&u, &a, sizeof u);
   return u;
 }
+static inline float __uint_as_float(unsigned int u) {
+  float a;
+  std::memcpy(&a, &u, sizeof a);
+  return a;
+}
 
-#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY)                                                   \
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                                 \
   extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
     const PARAMS& p = *static_cast<const PARAMS*>(params);                                     \
     gridDim = {grid, 1, 1};                                                                    \
@@ -40,24 +47,5 @@ static inline unsigned int __float_as_uint(float a) {
         threadIdx = {t, 0, 0};                                                                 \
         BODY(p);                                                                               \
       }                                                                                        \
-    }                                                                                          \
-  }
-
-// Tiled kernels: phases separated by __syncthreads() run phase by phase over the whole block.
-#include <vector>
-#define CUPY_ROPE_STRIP(...) __VA_ARGS__
-#define CUPY_ROPE_TILED_ENTRY(NAME, K, PARAMS)                                                       \
-  extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
-    typedef CUPY_ROPE_STRIP K Kern;                                                            \
-    const Kern::Params& p = *static_cast<const Kern::Params*>(params);                         \
-    static Kern::Shared sh;                                                                    \
-    std::vector<Kern::State> st(block);                                                        \
-    gridDim = {grid, 1, 1};                                                                    \
-    blockDim = {block, 1, 1};                                                                  \
-    for (unsigned int b = 0; b < grid; ++b) {                                                  \
-      blockIdx = {b, 0, 0};                                                                    \
-      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase1(p, st[t], sh); } \
-      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase2(p, st[t], sh); } \
-      for (unsigned int t = 0; t < block; ++t) { threadIdx = {t, 0, 0}; Kern::phase3(p, st[t], sh); } \
     }                                                                                          \
   }

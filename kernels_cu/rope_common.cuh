@@ -15,109 +15,109 @@ typedef long long i64;
 
 namespace cupy_rope {
 
-// ---------------------------------------------------------------- dtype helpers
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// V consecutive elements; 16 bytes at most, so that an aligned access is one LDG.128/STG.128.
-template <typename T, int V> struct alignas(sizeof(T) * V) Vec {
-  T v[V];
+// ---------------------------------------------------------------- element vectors
+// V consecutive elements held as raw 32-bit words (16 bytes at most, so that an aligned access
+// is one LDG.128/STG.128); a 16-bit scalar uses the low half of w[0]. Kept as words so that
+// loads, conversions and stores need no per-element register moves.
+template <typename T, int V> struct Vec {
+  static constexpr int kBytes = sizeof(T) * V;
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  unsigned int w[kWords];
 };
 
-// The machine word of a vector, so that loads and stores are single vector instructions
-// (a struct of bf16 elements is otherwise stored element by element).
-template <int BYTES> struct RawWord;
-template <> struct RawWord<2> { typedef unsigned short type; };
-template <> struct RawWord<4> { typedef unsigned int type; };
-template <> struct RawWord<8> { typedef uint2 type; };
-template <> struct RawWord<16> { typedef uint4 type; };
-
-template <typename T, int V> union VecWord {
-  Vec<T, V> vec;
-  typename RawWord<sizeof(T) * V>::type word;
-};
-
-// Load/store V elements starting at element offset `off`. V > 1 is only chosen by the host
-// when the channel stride is 1 and the address is aligned to the vector size; V == 1
-// honours any stride (the caller multiplies the channel index by it).
+// Load/store V elements at p. V > 1 is only chosen by the host when the channel stride is 1
+// and every row address is aligned to the vector size; V == 1 honours any stride.
 template <typename T, int V>
-__device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ base, i64 off) {
-  typedef typename RawWord<sizeof(T) * V>::type W;
-  VecWord<T, V> u;
-  u.word = *reinterpret_cast<const W*>(base + off);
-  return u.vec;
+__device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
+  Vec<T, V> r;
+  if constexpr (Vec<T, V>::kBytes == 16) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
+  } else if constexpr (Vec<T, V>::kBytes == 8) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = q.x, r.w[1] = q.y;
+  } else if constexpr (Vec<T, V>::kBytes == 4) {
+    r.w[0] = *reinterpret_cast<const unsigned int*>(p);
+  } else {
+    r.w[0] = *reinterpret_cast<const unsigned short*>(p);
+  }
+  return r;
 }
 
-
-// Round V floats to T and store them with one vector instruction: pairs of 16-bit values
-// are packed into 32-bit words first (a union of bf16 elements is otherwise split into
-// 16-bit stores by the compiler).
-__device__ __forceinline__ unsigned int bits_of(float a) { return __float_as_uint(a); }
-template <typename T> __device__ __forceinline__ unsigned int bits16(float a) { return __float_as_uint(a); }
-template <> __device__ __forceinline__ unsigned int bits16<__half>(float a) {
-  return __half_as_ushort(__float2half_rn(a));
-}
-template <> __device__ __forceinline__ unsigned int bits16<__nv_bfloat16>(float a) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(a));
-}
-
-// One 16-byte store (the compiler otherwise sometimes splits a uint4 built from registers).
-__device__ __forceinline__ void store_words16(void* p, unsigned int a, unsigned int b, unsigned int c,
-                                              unsigned int d) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d)
-               : "memory");
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, V>& r) {
+  if constexpr (Vec<T, V>::kBytes == 16) {
+#if defined(__CUDA_ARCH__)  // one 16-byte store (the compiler otherwise sometimes splits it)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
+                 "r"(r.w[2]), "r"(r.w[3])
+                 : "memory");
 #else
-  *reinterpret_cast<uint4*>(p) = make_uint4(a, b, c, d);
+    *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
 #endif
+  } else if constexpr (Vec<T, V>::kBytes == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+  } else if constexpr (Vec<T, V>::kBytes == 4) {
+    *reinterpret_cast<unsigned int*>(p) = r.w[0];
+  } else {
+    *reinterpret_cast<unsigned short*>(p) = (unsigned short)r.w[0];
+  }
 }
 
+// 16-bit values <-> floats. A word holds elements (2i, 2i + 1) in its low and high halves; two
+// floats round to one word in one instruction (round to nearest even, as one at a time).
+template <typename T> struct Half16;
+template <> struct Half16<__nv_bfloat16> {
+  static __device__ __forceinline__ float lo(unsigned int w) { return __uint_as_float(w << 16); }
+  static __device__ __forceinline__ float hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+  static __device__ __forceinline__ unsigned int pack(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return (unsigned int)__bfloat16_as_ushort(h.x) | ((unsigned int)__bfloat16_as_ushort(h.y) << 16);
+  }
+  static __device__ __forceinline__ unsigned int one(float a) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(a));
+  }
+};
+template <> struct Half16<__half> {
+  static __device__ __forceinline__ float lo(unsigned int w) {
+    return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+  }
+  static __device__ __forceinline__ float hi(unsigned int w) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+  }
+  static __device__ __forceinline__ unsigned int pack(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return (unsigned int)__half_as_ushort(h.x) | ((unsigned int)__half_as_ushort(h.y) << 16);
+  }
+  static __device__ __forceinline__ unsigned int one(float a) { return __half_as_ushort(__float2half_rn(a)); }
+};
+
+// V elements <-> V floats.
 template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* __restrict__ base, i64 off, const Vec<T, V>& r) {
-  typedef typename RawWord<sizeof(T) * V>::type W;
-  VecWord<T, V> u;
-  u.vec = r;
-  if (sizeof(W) == 16) {
-    const uint4& q = reinterpret_cast<const uint4&>(u.word);
-    store_words16(base + off, q.x, q.y, q.z, q.w);
+__device__ __forceinline__ void to_floats(const Vec<T, V>& v, float* x) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) x[e] = __uint_as_float(v.w[e]);
+  } else if constexpr (V == 1) {
+    x[0] = Half16<T>::lo(v.w[0]);
   } else {
-    *reinterpret_cast<W*>(base + off) = u.word;
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) {
+      x[2 * i] = Half16<T>::lo(v.w[i]);
+      x[2 * i + 1] = Half16<T>::hi(v.w[i]);
+    }
   }
 }
 
 template <typename T, int V>
-__device__ __forceinline__ void store_floats(T* __restrict__ base, i64 off, const float* y) {
-  constexpr int BYTES = sizeof(T) * V;
-  constexpr int WORDS = BYTES >= 4 ? BYTES / 4 : 1;
-  unsigned int w[WORDS];
-  if (sizeof(T) == 4) {
+__device__ __forceinline__ void from_floats(const float* y, Vec<T, V>& v) {
+  if constexpr (sizeof(T) == 4) {
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = bits_of(y[i]);
-  } else if (V >= 2) {
+    for (int e = 0; e < V; ++e) v.w[e] = __float_as_uint(y[e]);
+  } else if constexpr (V == 1) {
+    v.w[0] = Half16<T>::one(y[0]);
+  } else {
 #pragma unroll
-    for (int i = 0; i < WORDS; ++i) w[i] = bits16<T>(y[2 * i]) | (bits16<T>(y[2 * i + 1]) << 16);
-  } else {
-    w[0] = bits16<T>(y[0]);
-  }
-  if (BYTES == 16) {
-    store_words16(base + off, w[0], w[WORDS > 1 ? 1 : 0], w[WORDS > 2 ? 2 : 0], w[WORDS > 3 ? 3 : 0]);
-  } else if (BYTES == 8) {
-    *reinterpret_cast<uint2*>(base + off) = make_uint2(w[0], w[WORDS > 1 ? 1 : 0]);
-  } else if (BYTES == 4) {
-    *reinterpret_cast<unsigned int*>(base + off) = w[0];
-  } else {
-    *reinterpret_cast<unsigned short*>(base + off) = (unsigned short)w[0];
+    for (int i = 0; i < V / 2; ++i) v.w[i] = Half16<T>::pack(y[2 * i], y[2 * i + 1]);
   }
 }
 
@@ -228,103 +228,226 @@ __device__ __forceinline__ void pair_index(int m, int& f, int& s) {
   s = INTERLEAVED ? 2 * m + 1 : V + m;
 }
 
-// cos/sin of the unit's 2V angles of table row `pos`. Accurate sincosf (no fast math).
-// When the two angles of a pair are equal (any standard table) sincos runs once.
+// Channel of element e of a unit whose vectors start at channels c0 and c1.
+template <int V>
+__device__ __forceinline__ i64 unit_channel(int e, i64 c0, i64 c1) {
+  return e < V ? c0 + e : c1 + e - V;
+}
+
+// Spec sections 3 and 4 on one unit in registers: x[0..2V) (element e = channel base0 + e for
+// e < V, base1 + e - V otherwise), pair m = (f, g) = pair_index(m), its cos/sin cf[m], sf[m]
+// (first member's angle) and cg[m], sg[m] (second member's angle). In place.
+//   forward:  y_f = x_f cos_f - x_g sin_f ;  y_g = x_g cos_g + x_f sin_g
+//   backward: d_f = g_f cos_f + g_g sin_g ;  d_g = g_g cos_g - g_f sin_f
+template <bool BACKWARD>
+__device__ __forceinline__ void rotate_pair(float& xf, float& xg, float cf, float sf, float cg, float sg) {
+  const float f = xf, g = xg;
+  if (BACKWARD) {
+    xf = f * cf + g * sg;
+    xg = g * cg + (-f) * sf;
+  } else {
+    xf = f * cf + (-g) * sf;
+    xg = g * cg + f * sg;
+  }
+}
+
+template <int V, bool INTERLEAVED, bool BACKWARD>
+__device__ __forceinline__ void rotate_unit(float* x, const float* cf, const float* sf, const float* cg,
+                                            const float* sg) {
+#pragma unroll
+  for (int m = 0; m < V; ++m) {
+    int f, g;
+    pair_index<INTERLEAVED, V>(m, f, g);
+    rotate_pair<BACKWARD>(x[f], x[g], cf[m], sf[m], cg[m], sg[m]);
+  }
+}
+
+// The unit's 2V angles from table row `trow` (channels c0.., c1.., column stride scol): first
+// members af[m], second members ag[m]. True when every pair's two angles are equal (any
+// standard table), so that one cos/sin per pair serves both members.
 template <bool INTERLEAVED, int V>
-__device__ __forceinline__ void unit_sincos(const float* __restrict__ freqs, i64 srow, i64 scol,
-                                            i64 pos, i64 base0, i64 base1, float* c,
-                                            float* s) {
-  const float* row = freqs + pos * srow;
-  float ang[2 * V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    ang[e] = row[(base0 + e) * scol];
-    ang[V + e] = row[(base1 + e) * scol];
-  }
+__device__ __forceinline__ bool unit_angles(const float* __restrict__ trow, i64 c0, i64 c1, i64 scol,
+                                            float* af, float* ag) {
+  bool eq = true;
 #pragma unroll
   for (int m = 0; m < V; ++m) {
     int f, g;
     pair_index<INTERLEAVED, V>(m, f, g);
-    sincosf(ang[f], &s[f], &c[f]);
-    if (ang[g] == ang[f]) {
-      s[g] = s[f];
-      c[g] = c[f];
-    } else {
-      sincosf(ang[g], &s[g], &c[g]);
-    }
+    af[m] = trow[unit_channel<V>(f, c0, c1) * scol];
+    ag[m] = trow[unit_channel<V>(g, c0, c1) * scol];
+    eq = eq && af[m] == ag[m];
   }
+  return eq;
 }
 
-// Spec sections 3 and 4 on one unit held in registers (x0 = channels base0.., x1 = base1..),
-// results as floats y[0..2V) (y[e] for element e of the unit).
-//   forward:  y_f = x_f cos_f - x_s sin_f ;  y_s = x_s cos_s + x_f sin_s
-//   backward: d_f = g_f cos_f + g_s sin_s ;  d_s = g_s cos_s - g_f sin_f
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
-__device__ __forceinline__ void rotate_unit(const Vec<T, V>& x0, const Vec<T, V>& x1,
-                                            const float* c, const float* s, float* y) {
-  float x[2 * V];
+// What a thread does to a row of its unit: rotate with the cos/sin it holds (one per pair, every
+// pair of the unit having equal angles: any standard table), rotate with cos/sin computed for
+// the row (tables whose pairs have two different angles; a second table), or copy.
+enum RowMode { kHeld = 0, kCopy = 1, kFresh = 2 };
+
+// One output row: where its two vectors go, and how it is computed (trow/scol: its table row
+// for kFresh).
+template <typename T> struct OutRow {
+  T* p0;
+  T* p1;
+  int mode;
+  const float* trow;
+  i64 scol;
+};
+
+// kFresh: cos/sin of the unit's 2V angles for this row alone, one pair at a time (a loop that is
+// not unrolled, over a copy of the unit in local memory), so that this rare path needs few
+// registers and does not lower the streaming loop's occupancy.
+template <int V, bool INTERLEAVED, bool BACKWARD>
+__device__ __forceinline__ void rotate_fresh(float* x, const float* __restrict__ trow, i64 c0, i64 c1, i64 scol) {
+  float xs[2 * V];
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
-    x[e] = to_f32<T>(x0.v[e]);
-    x[V + e] = to_f32<T>(x1.v[e]);
-  }
-#pragma unroll
+  for (int e = 0; e < 2 * V; ++e) xs[e] = x[e];
+#pragma unroll 1
   for (int m = 0; m < V; ++m) {
     int f, g;
     pair_index<INTERLEAVED, V>(m, f, g);
-    if (BACKWARD) {
-      y[f] = x[f] * c[f] + x[g] * s[g];
-      y[g] = x[g] * c[g] + (-x[f]) * s[f];
-    } else {
-      y[f] = x[f] * c[f] + (-x[g]) * s[f];
-      y[g] = x[g] * c[g] + x[f] * s[g];
-    }
+    const float af = trow[unit_channel<V>(f, c0, c1) * scol];
+    const float ag = trow[unit_channel<V>(g, c0, c1) * scol];
+    float sf, cf, sg, cg;
+    sincosf(af, &sf, &cf);
+    sincosf(ag, &sg, &cg);
+    rotate_pair<BACKWARD>(xs[f], xs[g], cf, sf, cg, sg);
   }
+#pragma unroll
+  for (int e = 0; e < 2 * V; ++e) x[e] = xs[e];
 }
 
-// How many rows (heads) one thread keeps in flight before computing (more rows: more bytes in
-// flight per thread, more registers).
-#ifndef CUPY_ROPE_ROWS_IN_FLIGHT
-#define CUPY_ROPE_ROWS_IN_FLIGHT 2
+// The cos/sin a thread holds for its unit: computed once (one sincosf per pair) when every pair
+// of the unit has equal angles in table row `trow`; returns the mode of rows using this table
+// row (kCopy when trow is nullptr: position outside the table).
+template <bool INTERLEAVED, int V>
+__device__ __forceinline__ int held_sincos(const float* __restrict__ trow, i64 c0, i64 c1, i64 scol,
+                                           float* cm, float* sm) {
+  if (trow == nullptr) return kCopy;
+  float af[V], ag[V];
+  if (!unit_angles<INTERLEAVED, V>(trow, c0, c1, scol, af, ag)) return kFresh;
+#pragma unroll
+  for (int m = 0; m < V; ++m) sincosf(af[m], &sm[m], &cm[m]);
+  return kHeld;
+}
+
+// Rows a thread keeps loading ahead of the row it processes (Rows::kDepth; measured on the H200,
+// benchmarks/NOTES.md): rope kernels 2, QKV kernels 1 (more registers there).
+#ifndef CUPY_ROPE_DEPTH
+#define CUPY_ROPE_DEPTH 2
 #endif
-constexpr int kRowsInFlight = CUPY_ROPE_ROWS_IN_FLIGHT;
+#ifndef CUPY_QKV_DEPTH
+#define CUPY_QKV_DEPTH 1
+#endif
+constexpr int kAnyMode = -1;
 
-// One thread's work on one row-set: rows r = r0 + k*rstep (k < count), each row's unit
-// at in_off(r) / out_off(r) (given by the caller as row offsets + channel offsets).
-// ROT: rotate with the given cos/sin; otherwise copy. Shared by every kernel.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool ROT, bool PAIR, class InOff,
-          class OutOff>
-__device__ __forceinline__ void process_rows(const T* __restrict__ x, T* __restrict__ y,
-                                             i64 nrows, InOff in_off, OutOff out_off,
-                                             i64 xsd, i64 ysd, i64 cb0, i64 cb1,
-                                             const float* c, const float* s) {
-  // PAIR: two vectors per row (a rotary unit); otherwise one vector (a tail unit).
-  for (i64 k0 = 0; k0 < nrows; k0 += kRowsInFlight) {
-    Vec<T, V> a[kRowsInFlight], b[kRowsInFlight];
+// One thread's work: rows k = 0 .. cnt-1 (cnt >= 1) of one unit (c0, c1: its channels). `rows`
+// gives each row's input vectors (rows.in(k, p0, p1)) and its OutRow (rows.out(k)), called for
+// k in increasing order. Row k + Rows::kDepth is loaded before row k is processed and stored, so that
+// every thread always has loads in flight. PAIR: two vectors per unit (otherwise one: a tail
+// unit, copied). MODE: every row's mode when known here (a loop per mode keeps each lean), or
+// kAnyMode (each row's own). cm/sm: the held cos/sin. Every element is read once and written once.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
+__device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
+                                            i64 c1) {
+  constexpr int kDepth = Rows::kDepth;
+  constexpr int S = kDepth + 1;
+  Vec<T, V> a[S], b[S];
+  auto load = [&](int k, Vec<T, V>& va, Vec<T, V>& vb) {
+    const T *p0, *p1;
+    rows.in(k, p0, p1);
+    va = load_vec<T, V>(p0);
+    if (PAIR) vb = load_vec<T, V>(p1);
+  };
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      if (k0 + k < nrows) {
-        const i64 o = in_off(k0 + k);
-        a[k] = load_vec<T, V>(x, o + cb0 * xsd);
-        if (PAIR) b[k] = load_vec<T, V>(x, o + cb1 * xsd);
-      }
-    }
+  for (int j = 0; j < kDepth; ++j) {
+    if (j < cnt) load(j, a[j], b[j]);
+  }
+  for (int k0 = 0;; k0 += S) {
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      if (k0 + k < nrows) {
-        const i64 o = out_off(k0 + k);
-        if (PAIR && ROT) {
-          float r[2 * V];
-          rotate_unit<T, V, INTERLEAVED, BACKWARD>(a[k], b[k], c, s, r);
-          store_floats<T, V>(y, o + cb0 * ysd, r);
-          store_floats<T, V>(y, o + cb1 * ysd, r + V);
+    for (int s = 0; s < S; ++s) {
+      const int k = k0 + s;
+      if (k >= cnt) return;
+      if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
+      const OutRow<T> o = rows.out(k);
+      const int mode = MODE == kAnyMode ? o.mode : MODE;
+      if (PAIR && mode != kCopy) {
+        float v[2 * V];
+        to_floats<T, V>(a[s], v);
+        to_floats<T, V>(b[s], v + V);
+        if (mode == kHeld) {
+          rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
         } else {
-          store_vec<T, V>(y, o + cb0 * ysd, a[k]);
-          if (PAIR) store_vec<T, V>(y, o + cb1 * ysd, b[k]);
+          rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
         }
+        from_floats<T, V>(v, a[s]);
+        from_floats<T, V>(v + V, b[s]);
       }
+      store_vec<T, V>(o.p0, a[s]);
+      if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
   }
+}
+
+// All rows of a unit in kFresh mode (uniform rows), one at a time. Out of line and called where
+// little else is live, so that the registers of this rare path do not count against the
+// streaming loop's occupancy.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
+__device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
+  for (int k = 0; k < cnt; ++k) {
+    const T *p0, *p1;
+    rows.in(k, p0, p1);
+    Vec<T, V> a = load_vec<T, V>(p0), b = load_vec<T, V>(p1);
+    const OutRow<T> o = rows.out(k);
+    float v[2 * V];
+    to_floats<T, V>(a, v);
+    to_floats<T, V>(b, v + V);
+    rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
+    from_floats<T, V>(v, a);
+    from_floats<T, V>(v + V, b);
+    store_vec<T, V>(o.p0, a);
+    store_vec<T, V>(o.p1, b);
+  }
+}
+
+// A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
+// the rows' modes; then stream_rows, with one loop per mode when every row has the thread's
+// mode (Rows::kUniform: rows.mode), or one loop over rows of mixed modes.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
+__device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
+  if (cnt <= 0) return;
+  float cm[V], sm[V];
+  init(cm, sm);
+  if (!pair) {  // a tail unit of one vector: copied
+    stream_rows<T, V, INTERLEAVED, BACKWARD, false, kCopy>(cnt, rows, cm, sm, c0, c1);
+  } else if constexpr (!Rows::kUniform) {
+    stream_rows<T, V, INTERLEAVED, BACKWARD, true, kAnyMode>(cnt, rows, cm, sm, c0, c1);
+  } else {
+    if (rows.mode == kHeld) {
+      stream_rows<T, V, INTERLEAVED, BACKWARD, true, kHeld>(cnt, rows, cm, sm, c0, c1);
+    } else if (rows.mode == kFresh) {
+      fresh_rows<T, V, INTERLEAVED, BACKWARD>(cnt, rows, c0, c1);
+    } else {
+      stream_rows<T, V, INTERLEAVED, BACKWARD, true, kCopy>(cnt, rows, cm, sm, c0, c1);
+    }
+  }
+}
+
+// Channels of unit u of a row: rotary units (u < n_rot) hold V pairs (unit_bases); tail units
+// (channels d2..d, copied) hold tail_w (1 or 2) vectors. Returns whether the unit is rotary.
+template <bool INTERLEAVED>
+__device__ __forceinline__ bool unit_channels(i64 u, i64 n_rot, i64 d2, i64 tail_w, int V, i64& cb0,
+                                              i64& cb1, bool& pair) {
+  if (u < n_rot) {
+    unit_bases<INTERLEAVED>(u, d2 / 2, V, cb0, cb1);
+    pair = true;
+    return true;
+  }
+  cb0 = d2 + (u - n_rot) * tail_w * V;
+  cb1 = cb0 + V;
+  pair = tail_w == 2;
+  return false;
 }
 
 }  // namespace cupy_rope
@@ -334,13 +457,16 @@ __device__ __forceinline__ void process_rows(const T* __restrict__ x, T* __restr
 #ifndef CUPY_ROPE_BLOCK
 #define CUPY_ROPE_BLOCK 256
 #endif
+// Resident blocks per SM the compiler must allow (caps registers per thread: 4 -> 64, 3 -> 80).
 #ifndef CUPY_ROPE_MIN_BLOCKS
-#define CUPY_ROPE_MIN_BLOCKS 2
+#define CUPY_ROPE_MIN_BLOCKS 4
+#endif
+#ifndef CUPY_QKV_MIN_BLOCKS
+#define CUPY_QKV_MIN_BLOCKS 3
 #endif
 #ifndef CUPY_ROPE_ENTRY
-#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY)                                                    \
-  extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, CUPY_ROPE_MIN_BLOCKS)            \
-      NAME(const PARAMS p) {                                                                     \
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                        \
+  extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS) NAME(const PARAMS p) { \
     BODY(p);                                                                                     \
   }
 #endif

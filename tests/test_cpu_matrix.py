@@ -1,6 +1,8 @@
 """The spec matrix on the CPU: the NumPy backend and the host build of the CUDA kernels,
 both against the independent float64 reference, forward and backward."""
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -30,10 +32,11 @@ def test_numpy_backend(case, backward):
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
 
 
-@pytest.fixture(params=["rows", "tiled"])
+@pytest.fixture(params=["one_row", "max_rows"])
 def kernel(request, monkeypatch):
-    """Both kernel families (row kernels are the default; tiled ones are selectable)."""
-    monkeypatch.setattr(_plan, "_KERNEL", request.param)
+    """Both ends of the work split: one row per thread (a large device) and all rows of a token
+    in one thread (a small device)."""
+    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
     return request.param
 
 
@@ -87,21 +90,25 @@ def test_in_place_and_out():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_host_tiled_kernel_many_heads_and_partial_tiles(dtype, monkeypatch):
-    """Many heads (items beyond the preloaded ones per thread) and a last partial tile."""
+def test_host_kernel_row_chunks(dtype, monkeypatch):
+    """Many heads streamed by one thread (the row loop's odd and even counts), tail units of one
+    and of two vectors."""
     from cases import NP_DTYPES
 
-    monkeypatch.setattr(_plan, "_KERNEL", "tiled")
+    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 1)
     rng = np.random.default_rng(9)
-    for shape, layout in (((5, 2, 300, 64), "sbhd"), ((37, 3, 64), "thd"), ((3, 13, 2, 64), "bshd")):
+    for shape, layout, d2 in (((5, 2, 301, 64), "sbhd", 48), ((37, 7, 64), "thd", 40),
+                              ((3, 13, 2, 64), "bshd", 32)):
         x = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])
-        f = rng.uniform(-9, 9, (40, 1, 1, 48)).astype(np.float32)
+        f = rng.uniform(-9, 9, (40, 1, 1, d2)).astype(np.float32)
         kw = dict(layout=layout, interleaved=False, cp_size=1, cp_rank=0)
         if layout == "thd":
             kw["cu_seqlens"] = np.array([0, 7, 7, 30], np.int32)
         plan = _plan_for(x, f, kw, False)
-        name, grid, _, _ = plan.launch(info(x), info(x), info(f), info(kw.get("cu_seqlens")), None, 4)
-        assert name.startswith("ropet_"), name
+        _, _, _, params = plan.launch(info(x), info(x), info(f), info(kw.get("cu_seqlens")), None, 4)
+        vals = dict(zip(_plan.ROPE_FIELDS, struct.unpack(f"<{len(_plan.ROPE_FIELDS)}q",
+                                                          params[:8 * len(_plan.ROPE_FIELDS)])))
+        assert vals["n_chunks"] == 1, vals
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         y = _hostkernels.run_rope(plan, x, f, kw.get("cu_seqlens"), out=out)
-        assert_close_to_ref(y, rope_ref(x, f, **kw), x, 48, dtype, f"{layout} {shape}")
+        assert_close_to_ref(y, rope_ref(x, f, **kw), x, d2, dtype, f"{layout} {shape}")

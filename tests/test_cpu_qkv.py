@@ -35,16 +35,24 @@ def qkv_case(i, layout, g, n, d):
     if i % 4 != 3:
         kw["start_positions"] = rng.integers(0, 4, nseq).astype(np.int64 if i % 2 else np.int32)
         rows += 4
-    qf = rng.uniform(-10, 10, (rows, 1, 1, d2)).astype(np.float32)
-    kf = qf if i % 5 == 0 else rng.uniform(-10, 10, (rows + 1, d2)).astype(np.float32)
+    def table(shape):
+        if i % 7 in (1, 4, 5):  # standard-looking: both angles of every pair equal
+            half = rng.uniform(-10, 10, shape[:-1] + (d2 // 2,))
+            t = np.repeat(half, 2, axis=-1) if il else np.concatenate([half, half], -1)
+            return t.astype(np.float32)
+        return rng.uniform(-10, 10, shape).astype(np.float32)
+
+    qf = table((rows, 1, 1, d2))
+    kf = qf if i % 5 == 0 else table((rows + 1, d2))
     mode = ("contiguous", "permuted", "offset")[i % 3]
     qkv = strided(lead + (g, (n + 2) * d), dtype, rng, mode)
     return dtype, qkv, qf, kf, kw
 
 
-@pytest.fixture(params=["rows", "tiled"])
+@pytest.fixture(params=["one_row", "max_rows"])
 def kernel(request, monkeypatch):
-    monkeypatch.setattr(_plan, "_KERNEL", request.param)
+    """Both ends of the work split (see test_cpu_matrix.kernel)."""
+    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
     return request.param
 
 
