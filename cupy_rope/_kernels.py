@@ -100,7 +100,7 @@ def source_for(names) -> str:
 
 def defines() -> tuple[str, ...]:
     """Extra compiler options for every build of the source (NVRTC and the host build): tuning
-    defines from ``CUPY_ROPE_DEFINES``, for benchmarks only (e.g. ``"-DCUPY_ROPE_BATCH=2"``)."""
+    defines from ``CUPY_ROPE_DEFINES``, for benchmarks only (e.g. ``"-DCUPY_ROPE_DEPTH=1;-DCUPY_QKV_MIN_BLOCKS=2"``)."""
     return tuple(v for v in re.split(r"[\s;]+", os.environ.get("CUPY_ROPE_DEFINES", "")) if v)
 
 

@@ -89,18 +89,22 @@ def test_in_place_and_out():
     assert_close_to_ref(x2, ref, x, 64, "float32")
 
 
+@pytest.mark.parametrize("table", ["standard", "general"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_host_kernel_row_chunks(dtype, monkeypatch):
-    """Many heads streamed by one thread (the row loop's odd and even counts), tail units of one
-    and of two vectors."""
+def test_host_kernel_row_chunks(dtype, table, monkeypatch):
+    """Many heads streamed by one thread (row counts around and far past the rows kept in
+    flight), with cos/sin held (a standard table: the angles of each pair equal) or computed
+    per row (a general table); tail units of one and of two vectors."""
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_plan, "_THREADS_PER_SM", 1)
     rng = np.random.default_rng(9)
     for shape, layout, d2 in (((5, 2, 301, 64), "sbhd", 48), ((37, 7, 64), "thd", 40),
-                              ((3, 13, 2, 64), "bshd", 32)):
+                              ((3, 13, 2, 64), "bshd", 32), ((4, 2, 4, 64), "sbhd", 64)):
         x = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])
         f = rng.uniform(-9, 9, (40, 1, 1, d2)).astype(np.float32)
+        if table == "standard":
+            f = np.concatenate([f[..., : d2 // 2]] * 2, -1)
         kw = dict(layout=layout, interleaved=False, cp_size=1, cp_rank=0)
         if layout == "thd":
             kw["cu_seqlens"] = np.array([0, 7, 7, 30], np.int32)
