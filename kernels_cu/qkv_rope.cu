@@ -34,7 +34,7 @@ struct QkvParams {
 template <typename T, bool BACKWARD> struct GroupRows {
   static constexpr bool kUniform = false;  // query, key and value rows differ
   static constexpr int kDepth = CUPY_QKV_DEPTH;
-  T* pk;  // packed tensor, first vector of the next row (loads: backward stores; forward loads)
+  T* pk;  // packed tensor: first vector of the next packed row (read forward, written backward)
   i64 pstep, pd;
   i64 c, C, n;
   T *q, *k, *v;  // first vector of query head 0 of the group, of the key head, of the value head

@@ -4,7 +4,7 @@
 // pair set (or 1-2 vectors of tail channels); chunk c of C holds the heads c, c + C, c + 2C, ...
 // so that the lanes of a warp touch neighbouring heads at each step. The thread computes the
 // token's position and the unit's cos/sin once, then streams its rows (stream_rows: the next
-// row's loads are in flight while the current one is rotated and stored). Each element is read
+// rows' loads are in flight while the current one is rotated and stored). Each element is read
 // once and written once.
 #include "rope_common.cuh"
 
