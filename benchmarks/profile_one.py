@@ -8,7 +8,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cupy_rope import benchmark as B  # noqa: E402
@@ -20,16 +19,12 @@ def main():
     spec = {r: s for r, _, s in B.SHAPES}[rid]
     p = B.Problem(spec)
     if what == "copy":
-        import cupy
-
         half = (p.bytes // 2 + 15) // 16 * 16
         src = torch.empty(half, dtype=torch.uint8, device="cuda")
         dst = torch.empty(half, dtype=torch.uint8, device="cuda")
-        kern = cupy.RawKernel(B._COPY_SRC, "copy16")
-        n16 = half // 16
-        grid = min(-(-n16 // 256), torch.cuda.get_device_properties(0).multi_processor_count * 8)
+        kcopy = B.copy_kernel(half)
         for _ in range(4):
-            kern((grid,), (256,), (src.data_ptr(), dst.data_ptr(), np.int64(n16)))
+            kcopy(src, dst)
     else:
         fn = B._ours(p, what, "torch")
         for i in range(4):

@@ -234,11 +234,11 @@ def _norm(shape, strides):
     return tuple(0 if n == 1 else s for n, s in zip(shape, strides))
 
 
-def pick_vec(dtype: str, d: int, d2: int, arrays, max_bytes: int = 16) -> int:
-    """Widest vector (elements, at most ``max_bytes``) valid for every (ptr, row strides,
-    channel stride) given."""
+def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
+    """Widest vector (elements, at most 16 bytes, or ``CUPY_ROPE_MAX_VEC_BYTES``) valid for every
+    (ptr, row strides, channel stride) given."""
     isz = ITEMSIZE[dtype]
-    max_bytes = _MAX_VEC_BYTES or max_bytes
+    max_bytes = _MAX_VEC_BYTES or 16
     h2 = d2 // 2
     for v in sorted(_kernels.vector_widths(dtype), reverse=True):
         if v == 1:

@@ -205,24 +205,33 @@ extern "C" __global__ void copy16(const uint4* __restrict__ src, uint4* __restri
 def copy_time(nbytes, nbuf, idx):
     """Device µs of the best device-to-device copy of ``nbytes`` read+written (half each way):
     ``cudaMemcpyAsync`` (``Tensor.copy_``) or a 16-byte-vector SM copy kernel, whichever is faster."""
-    import cupy
     import torch
 
     half = max((nbytes // 2 + 15) // 16 * 16, 16)
     src = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(nbuf)]
     dst = [torch.empty(half, dtype=torch.uint8, device="cuda") for _ in range(nbuf)]
     t_memcpy = graph_time([lambda i=i: dst[i].copy_(src[i]) for i in idx])
+    kcopy = copy_kernel(half)
+    t_kernel = graph_time([lambda i=i: kcopy(src[i], dst[i]) for i in idx])
+    return (t_memcpy, "cudaMemcpy") if t_memcpy <= t_kernel else (t_kernel, "copy kernel")
+
+
+def copy_kernel(nbytes):
+    """``fn(src, dst)``: the 16-byte-vector SM copy of ``nbytes`` (a multiple of 16) between two
+    torch CUDA tensors, launched on torch's current stream."""
+    import cupy
+    import torch
+
     kern = cupy.RawKernel(_COPY_SRC, "copy16")
-    n16 = half // 16
+    n16 = nbytes // 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = min(-(-n16 // 256), sms * 8)
 
-    def kcopy(i):
+    def run(src, dst):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        kern((grid,), (256,), (src[i].data_ptr(), dst[i].data_ptr(), np.int64(n16)), stream=stream)
+        kern((grid,), (256,), (src.data_ptr(), dst.data_ptr(), np.int64(n16)), stream=stream)
 
-    t_kernel = graph_time([lambda i=i: kcopy(i) for i in idx])
-    return (t_memcpy, "cudaMemcpy") if t_memcpy <= t_kernel else (t_kernel, "copy kernel")
+    return run
 
 
 def _ours(p, direction, fw):
