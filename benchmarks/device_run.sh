@@ -10,7 +10,8 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 MODE=${MODE:-all}
 if [[ $MODE == *tests* || $MODE == all ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
+    tests/test_fuzz.py -k "gpu or not fuzz" \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
 fi
 if [[ $MODE == *bench* || $MODE == all ]]; then
@@ -21,8 +22,13 @@ if [[ $MODE == *main* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_notebooks.py tests/test_main.py 2>&1 | tail -3
 fi
 if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
-    tests/test_gpu.py -k "cupy and (thd or zero_stride or qkv)" 2>&1 | tail -6
+  # the fuzz of every entry point under memcheck, memory pools off so that a read past a small
+  # (index) array leaves its allocation
+  for b in cupy torch-cuda; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 tests/fuzz.py --backend $b --seeds ${SAN_SEEDS:-0:400} --no-pool 2>&1 | tee "$OUT/memcheck_$b.log" \
+      | grep -E "^fuzz|ERROR SUMMARY|FAIL seed|Invalid" | head -8
+  done
 fi
 for v in "$@"; do
   name=${v%%:*}; envs=${v#*:}

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 
 from . import _interop, _launch, _numpy_backend, _plan
-from ._positions import check_index_contents
+from ._positions import check_cu_seqlens, check_index_contents
 
 _DEBUG = [os.environ.get("CUPY_ROPE_DEBUG", "") not in ("", "0")]
 
@@ -39,45 +39,67 @@ def _host_index(a, kind):
     return np.asarray(a)
 
 
+# Arguments that may be None; every other array argument is required.
+_OPTIONAL = ("cu_seqlens", "start_positions", "out")
+
+
 class _Args:
-    """The call's arrays: each with its framework kind and descriptor."""
+    """The call's arrays, each with its framework kind and descriptor; errors name the argument."""
 
     def __init__(self, **arrays):
         self.native, self.kinds, self.infos = {}, {}, {}
         for name, a in arrays.items():
-            if a is not None:
-                kind = _interop.kind_of(a)
-                if kind == "dlpack":
-                    a, kind = _interop.from_dlpack(a)
-                self.native[name], self.kinds[name] = a, kind
-                self.infos[name] = _interop.info(a, kind)
-            else:
+            if a is None and name in _OPTIONAL:
                 self.native[name], self.kinds[name], self.infos[name] = None, None, None
+                continue
+            self.native[name], self.kinds[name], self.infos[name] = _interop.describe(name, a)
+        if self.native.get("out") is not None:
+            _interop.check_writable("out", self.native["out"], self.kinds["out"])
 
     def numpy(self, name):
         return _interop.to_numpy(self.native[name], self.kinds[name])
 
-
-def _jax_route(x):
-    """JAX arrays go through cupy_rope.jax (XLA allocates; works eagerly and under jit)."""
-    return _interop.kind_of(x) == "jax" and next(iter(x.devices())).platform == "gpu"
+    def host(self, name):
+        return _host_index(self.native[name], self.kinds[name])
 
 
-def _debug_check(args: _Args, pos, lead_shape, table_rows):
-    if _DEBUG[0]:
-        check_index_contents(pos, lead_shape, table_rows,
-                             _host_index(args.native["cu_seqlens"], args.kinds["cu_seqlens"]),
-                             _host_index(args.native["start_positions"], args.kinds["start_positions"]))
+def _jax_route(x, out=None, transpose_output_memory=False):
+    """JAX arrays on a GPU go through cupy_rope.jax (XLA allocates; works eagerly and under jit).
+    JAX arrays are immutable: no ``out``, no ``transpose_output_memory``."""
+    if type(x).__module__.split(".")[0] not in ("jax", "jaxlib") or _interop.kind_of(x) != "jax":
+        return False
+    if out is not None or transpose_output_memory is not False:
+        raise ValueError("cupy_rope: `out`/`transpose_output_memory`: expected None/False for JAX "
+                         "arrays (JAX arrays are immutable), got " + ("an array" if out is not None
+                                                                     else repr(transpose_output_memory)))
+    return next(iter(x.devices())).platform == "gpu"
+
+
+def _device(args: _Args, ref: str) -> str:
+    """Where the call runs: 'cpu' (NumPy backend), 'cuda' (the kernels) or 'meta' (torch meta
+    tensors: outputs of the right shapes, nothing computed). The one device check of every entry
+    point; the others' devices must match ``ref``'s (checked by the planner)."""
+    kind = args.infos[ref].device[0]
+    if kind in ("cpu", "cuda") or (kind == "meta" and args.kinds[ref] == "torch"):
+        return kind
+    raise ValueError(f"cupy_rope: `{ref}`: expected an array on the CPU or a CUDA device, got an array "
+                     f"on device {kind!r}")
+
+
+def _check_contents(args: _Args, pos, lead_shape, tables: dict, dev: str):
+    """Index-tensor contents: always on the CPU (the values are on the host already), on the GPU
+    only in debug mode (it synchronises)."""
+    if _DEBUG[0] and dev != "meta":
+        check_index_contents(pos, lead_shape, tables, args.host("cu_seqlens"), args.host("start_positions"))
+    elif dev == "cpu" and pos.layout == "thd":
+        check_cu_seqlens(pos, lead_shape[0], args.host("cu_seqlens"))
 
 
 def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, out,
           transpose_output_memory, backward: bool, x_name: str):
-    if _jax_route(x):
+    if _jax_route(x, out, transpose_output_memory):
         from . import jax as cj
 
-        if out is not None or transpose_output_memory:
-            raise ValueError("cupy_rope: `out`/`transpose_output_memory` are not available for JAX "
-                             "arrays (JAX arrays are immutable)")
         fn = cj.apply_rope_backward if backward else cj.apply_rope
         return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
@@ -95,26 +117,28 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
             res = _cached_launch(kind, entry, ptrs, x)
             if res is not None:
                 return out if out is not None else res[0]
-    args = _Args(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions, out=out)
-    xi = args.infos["x"]
+    args = _Args(**{x_name: x}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions,
+                 out=out)
+    xi = args.infos[x_name]
     plan = _plan.resolve_rope(xi, args.infos["freqs"], layout, interleaved, args.infos["cu_seqlens"],
                               args.infos["start_positions"], cp_size, cp_rank, args.infos["out"],
                               backward, transpose_output_memory, x_name=x_name)
-    _debug_check(args, plan.pos, tuple(xi.shape[:-2]), plan.table.rows)
-    kind = args.kinds["x"]
-    if xi.device[0] == "cpu":
-        y = np.ascontiguousarray(_numpy_backend.rope(np, plan, args.numpy("x"), args.numpy("freqs"),
-                                                     args.numpy("cu_seqlens"), args.numpy("start_positions")))
-        if out is not None:
-            _interop.write_into(out, args.kinds["out"], y)
-            return out
-        if plan.transpose_output:
-            y = np.ascontiguousarray(y.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
-        return _interop.from_numpy(y, kind)
-    if xi.device[0] != "cuda":
-        raise ValueError(f"cupy_rope: `{x_name}`: expected a CPU or CUDA array, got device {xi.device}")
+    where = _device(args, x_name)
+    _check_contents(args, plan.pos, tuple(xi.shape[:-2]), {"freqs": plan.table.rows}, where)
+    kind, native = args.kinds[x_name], args.native[x_name]
+    if where == "cpu":
+        y = _numpy_backend.rope(np, plan, args.numpy(x_name), args.numpy("freqs"), args.numpy("cu_seqlens"),
+                                args.numpy("start_positions"))
+        if out is None and not plan.transpose_output:
+            return _interop.from_numpy(np.ascontiguousarray(y), kind)
+        if out is None:
+            out = _interop.empty_like(kind, native, plan.shape, True)[0]
+        _interop.write_into(out, args.kinds["out"] or kind, y)
+        return out
+    y = out if out is not None else _interop.empty_like(kind, native, plan.shape, plan.transpose_output)[0]
+    if where == "meta":
+        return y
     dev = xi.device[1]
-    y = out if out is not None else _interop.empty_like(kind, args.native["x"], plan.shape, plan.transpose_output)[0]
     if xi.size:
         yi = _interop.info(y, args.kinds["out"] if out is not None else kind)
         name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
@@ -154,7 +178,9 @@ def _quick_kind(a):
 
 
 def _cache_lookup(kind, arrays: dict, opts):
-    """(key, cached entry or None, addresses by name); key None when not cacheable."""
+    """(key, cached entry or None, addresses by name); key None when not cacheable. The key holds
+    each option with its type, so only calls whose options a first call validated can hit; an
+    unhashable option (a list, say) is not cacheable and goes to validation."""
     descs, ptrs = [], {}
     for name, a in arrays.items():
         if a is not None and _quick_kind(a) != kind:
@@ -162,7 +188,10 @@ def _cache_lookup(kind, arrays: dict, opts):
         d, ptrs[name] = _desc(a, kind)
         descs.append(d)
     key = (kind, opts, tuple(descs))
-    return key, _CACHE.get(key), ptrs
+    try:
+        return key, _CACHE.get(key), ptrs
+    except TypeError:
+        return None, None, None
 
 
 def _cache_put(key, name, grid, block, params, slots, outputs):
@@ -276,8 +305,8 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
             res = _cached_launch(kind, entry, ptrs, first)
             if res is not None:
                 return res[0] if backward else tuple(res)
-    args = _Args(q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
-                 start_positions=start_positions, **arrays)
+    args = _Args(**arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
+                 start_positions=start_positions)
     inf = args.infos
     common = (inf["q_freqs"], inf["k_freqs"], split, layout, num_q_heads, interleaved,
               inf["cu_seqlens"], inf["start_positions"], cp_size, cp_rank)
@@ -287,9 +316,11 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     else:
         plan = _plan.resolve_qkv(inf["qkv"], *common)
         ref = "qkv"
-    _debug_check(args, plan.pos, plan.lead_shape, min(plan.q_table.rows, plan.k_table.rows))
+    where = _device(args, ref)
+    _check_contents(args, plan.pos, plan.lead_shape, {"q_freqs": plan.q_table.rows, "k_freqs": plan.k_table.rows},
+                    where)
     kind, ri = args.kinds[ref], inf[ref]
-    if ri.device[0] == "cpu":
+    if where == "cpu":
         fn = _numpy_backend.qkv_backward if backward else _numpy_backend.qkv_forward
         res = fn(np, plan, *(args.numpy(n) for n in arrays), args.numpy("q_freqs"), args.numpy("k_freqs"),
                  args.numpy("cu_seqlens"), args.numpy("start_positions"))
@@ -308,6 +339,8 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
                    for shape in (plan.q_shape, plan.kv_shape, plan.kv_shape))
         pi, qi, ki, vi = ri, _interop.info(q, kind), _interop.info(k, kind), _interop.info(v, kind)
         result = (q, k, v)
+    if where == "meta":
+        return result
     if pi.size:
         name, grid, block, params = plan.launch(pi, qi, ki, vi, inf["q_freqs"], inf["k_freqs"],
                                                 inf["cu_seqlens"], inf["start_positions"],

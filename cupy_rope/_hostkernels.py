@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -22,8 +23,13 @@ from . import _kernels
 from ._interop import info
 
 
+HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h", "nv/target")
+
+
 def cuda_include_dirs() -> list[str]:
-    """Directories with cuda_fp16.h, cuda_bf16.h and crt/host_defines.h."""
+    """Directories with the CUDA headers the host build needs (cuda_fp16.h, cuda_bf16.h,
+    crt/host_defines.h, nv/target): a toolkit (``CUDA_PATH``, ``CUDA_HOME``, /usr/local/cuda) or
+    the wheels of the ``cuda13-ctk`` extra (nvidia-cuda-runtime, -crt, -cccl)."""
     cands = []
     for env in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(env):
@@ -38,29 +44,58 @@ def cuda_include_dirs() -> list[str]:
     except Exception:  # pragma: no cover - optional
         pass
     for c in cands:
-        if (c / "cuda_bf16.h").is_file() and (c / "crt" / "host_defines.h").is_file():
-            return [str(c)]
-    raise RuntimeError("cupy_rope host build: no CUDA headers (cuda_bf16.h, crt/host_defines.h) found; "
-                       "set CUDA_PATH to a CUDA toolkit")
+        dirs = [c] + [c / "cccl"] * (c / "cccl" / "nv" / "target").is_file()
+        if all(any((d / h).is_file() for d in dirs) for h in HEADERS):
+            return [str(d) for d in dirs]
+    raise RuntimeError("cupy_rope host build: no CUDA headers (" + ", ".join(HEADERS) + ") found in "
+                       + ", ".join(map(str, cands)) + "; install the `cuda13-ctk` extra "
+                       "(cuda-toolkit[nvrtc,cudart,crt,cccl]) or set CUDA_PATH to a CUDA toolkit")
+
+
+def cache_dir() -> Path:
+    """Where built artefacts are kept: ``CUPY_ROPE_HOST_CACHE``, else the user's cache directory."""
+    env = os.environ.get("CUPY_ROPE_HOST_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cupy_rope"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def _build_key(*parts) -> str:
+    """Hash of everything a build depends on: the given strings, and the text of every local
+    header and CUDA header it includes (so that an edited shim or another toolkit rebuilds)."""
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(str(p).encode() + b"\0")
+    shim = _kernels.source_dir() / "host_shim.h"
+    h.update(shim.read_bytes())
+    for d in cuda_include_dirs():
+        for name in HEADERS[:3] + ("cuda_fp16.hpp", "cuda_bf16.hpp"):
+            f = Path(d) / name
+            if f.is_file():
+                h.update(name.encode() + f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("g++") or "c++"
 
 
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """Build (once per source version) and load the host library with every kernel."""
+    """Build (once per version of every input) and load the host library with every kernel."""
     names = _kernels.all_kernels()
     src = ('#include "host_shim.h"\n' + _kernels.source_for(names))
-    cache = Path(os.environ.get("CUPY_ROPE_HOST_CACHE", Path(tempfile.gettempdir()) / "cupy_rope_host"))
-    cache.mkdir(parents=True, exist_ok=True)
-    so = cache / f"rope_host_{_kernels.source_hash()}.so"
+    cxx = _compiler()
+    flags = ["-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", *_kernels.defines(),
+             f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in cuda_include_dirs()]]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    so = cache_dir() / f"rope_host_{_build_key(src, cxx, version, *flags)}.so"
     if not so.exists():
-        cxx = os.environ.get("CXX") or shutil.which("g++") or "c++"
         with tempfile.TemporaryDirectory() as tmp:
             cpp = Path(tmp) / "rope_host.cpp"
             cpp.write_text(src)
             out = Path(tmp) / so.name
-            cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", *_kernels.defines(),
-                   f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in cuda_include_dirs()],
-                   str(cpp), "-o", str(out)]
+            cmd = [cxx, *flags, str(cpp), "-o", str(out)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"host build failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
@@ -69,6 +104,32 @@ def library() -> ctypes.CDLL:
     for n in names:
         getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
     return lib
+
+
+def nvrtc_cubin(arch: str = "sm_90") -> bytes:
+    """Every instantiation compiled by NVRTC (no GPU needed), cached like the host library.
+    Raises ``RuntimeError`` with NVRTC's log when the source does not compile."""
+    import cuda.pathfinder as pf
+    from cupy.cuda import nvrtc
+
+    names = _kernels.all_kernels()
+    src = _kernels.source_for(names)
+    inc = pf.find_nvidia_header_directory("cudart")
+    opts = [f"-arch={arch}", "--std=c++17", f"-I{inc}", "-default-device", *_kernels.defines()]
+    version = ".".join(map(str, nvrtc.getVersion()))
+    path = cache_dir() / f"rope_nvrtc_{_build_key(src, version, *opts)}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    prog = nvrtc.createProgram(src, "cupy_rope.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, opts)
+    except Exception:
+        raise RuntimeError(nvrtc.getProgramLog(prog)) from None
+    cubin = nvrtc.getCUBIN(prog)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cubin)
+    tmp.replace(path)
+    return cubin
 
 
 def launch(name: str, grid: int, block: int, params: bytes) -> None:

@@ -25,21 +25,23 @@ def _torch_dtypes():
     return _TORCH_DTYPES
 
 
-def kind_of(a) -> str:
-    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (any other ``__dlpack__`` object)."""
+def kind_of(a, name: str = "array") -> str:
+    """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (any other ``__dlpack__`` object); a
+    ``TypeError`` naming argument ``name`` for anything else (lists, scalars, None)."""
     if isinstance(a, np.ndarray):
         return "numpy"
     mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
+    if mod == "cupy" and type(a).__name__ == "ndarray":
         return "cupy"
     if mod == "torch" and "torch" in sys.modules and isinstance(a, sys.modules["torch"].Tensor):
         return "torch"
     if mod in ("jax", "jaxlib") and "jax" in sys.modules and isinstance(a, sys.modules["jax"].Array):
         return "jax"
-    if hasattr(a, "__dlpack__"):
+    if hasattr(a, "__dlpack__") and not isinstance(a, type):
         return "dlpack"
-    raise TypeError(f"cupy_rope: expected a NumPy, CuPy, torch or JAX array (or any object with "
-                    f"__dlpack__), got {type(a).__module__}.{type(a).__name__}")
+    got = "None" if a is None else f"{type(a).__module__}.{type(a).__qualname__}".replace("builtins.", "")
+    raise TypeError(f"cupy_rope: `{name}`: expected a NumPy, CuPy, torch or JAX array (or an object "
+                    f"with __dlpack__), got {got}")
 
 
 def _dtype_name(dt) -> str:
@@ -47,23 +49,37 @@ def _dtype_name(dt) -> str:
     return str(name)
 
 
-def info(a, kind: str | None = None) -> ArrayInfo | None:
+def describe(name: str, a):
+    """``(array, kind, ArrayInfo)`` of argument ``name`` (a generic ``__dlpack__`` object is
+    viewed as CuPy or NumPy first); errors name the argument."""
+    kind = kind_of(a, name)
+    if kind == "dlpack":
+        try:
+            a, kind = from_dlpack(a)
+        except Exception as e:
+            raise TypeError(f"cupy_rope: `{name}`: expected an array importable through DLPack, got "
+                            f"{type(a).__name__} ({type(e).__name__}: {e})") from None
+    return a, kind, info(a, kind, name)
+
+
+def info(a, kind: str | None = None, name: str = "array") -> ArrayInfo | None:
     """Describe ``a`` (no data access, no synchronisation). ``None`` stays ``None``."""
     if a is None:
         return None
-    kind = kind or kind_of(a)
+    kind = kind or kind_of(a, name)
     if kind == "torch":
         dt = _torch_dtypes().get(a.dtype, str(a.dtype).replace("torch.", ""))
         dev = ("cuda", a.device.index) if a.device.type == "cuda" else (a.device.type, 0)
-        return ArrayInfo(tuple(a.shape), tuple(a.stride()), dt, dev, a.data_ptr())
-    if kind == "cupy":
-        isz = a.itemsize
-        return ArrayInfo(a.shape, tuple(s // isz for s in a.strides), _dtype_name(a.dtype),
-                         ("cuda", a.device.id), a.data.ptr)
-    if kind == "numpy":
+        ptr = a.data_ptr() if a.device.type != "meta" else 0
+        return ArrayInfo(tuple(a.shape), tuple(a.stride()), dt, dev, ptr)
+    if kind in ("cupy", "numpy"):
         isz = a.itemsize
         if any(s % isz for s in a.strides):
-            raise ValueError(f"cupy_rope: strides {a.strides} are not multiples of the item size {isz}")
+            raise ValueError(f"cupy_rope: `{name}`: expected strides that are multiples of the item size "
+                             f"{isz}, got strides {a.strides} (bytes)")
+        if kind == "cupy":
+            return ArrayInfo(a.shape, tuple(s // isz for s in a.strides), _dtype_name(a.dtype),
+                             ("cuda", a.device.id), a.data.ptr)
         return ArrayInfo(a.shape, tuple(s // isz for s in a.strides), _dtype_name(a.dtype), ("cpu", 0),
                          a.__array_interface__["data"][0])
     if kind == "jax":
@@ -71,7 +87,15 @@ def info(a, kind: str | None = None) -> ArrayInfo | None:
         plat = "cuda" if dev.platform == "gpu" else dev.platform
         strides = _contiguous(a.shape)
         return ArrayInfo(tuple(a.shape), strides, _dtype_name(a.dtype), (plat, dev.id if plat == "cuda" else 0), 0)
-    raise TypeError(f"cupy_rope: cannot describe {type(a).__name__}")
+    raise TypeError(f"cupy_rope: `{name}`: cannot describe {type(a).__name__}")
+
+
+def check_writable(name: str, a, kind: str) -> None:
+    """An output the caller passed must be writable in place (NumPy's read-only views are not)."""
+    if kind == "jax":
+        raise ValueError(f"cupy_rope: `{name}`: expected a writable array, got a JAX array (immutable)")
+    if kind in ("numpy", "cupy") and not getattr(a.flags, "writeable", True):
+        raise ValueError(f"cupy_rope: `{name}`: expected a writable array, got a read-only {kind} array")
 
 
 def _contiguous(shape):
@@ -142,14 +166,18 @@ def write_into(out, kind: str, y: np.ndarray) -> None:
 # --------------------------------------------------------------------- GPU allocation, streams
 def empty_like(kind: str, like, shape: tuple, transposed: bool = False):
     """(new array, its address): ``like``'s dtype and device, allocated by the caller's framework
-    (torch's caching allocator, CuPy's pool); contiguous, or for ``transposed`` an sbhd view over
-    bshd-ordered memory (``transpose_output_memory``)."""
+    (torch's caching allocator, CuPy's pool, NumPy); contiguous, or for ``transposed`` an sbhd
+    view over bshd-ordered memory (``transpose_output_memory``). torch ``meta`` tensors give meta
+    tensors (address 0)."""
     alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
     if kind == "torch":
         import torch
 
         y = torch.empty(alloc, dtype=like.dtype, device=like.device)
-        return (y.permute(1, 0, 2, 3) if transposed else y), y.data_ptr()
+        return (y.permute(1, 0, 2, 3) if transposed else y), (y.data_ptr() if y.device.type != "meta" else 0)
+    if kind == "numpy":
+        y = np.empty(alloc, dtype=like.dtype)
+        return (y.transpose(1, 0, 2, 3) if transposed else y), y.__array_interface__["data"][0]
     if kind != "cupy":
         raise TypeError(f"cupy_rope: cannot allocate for {kind}")
     import cupy

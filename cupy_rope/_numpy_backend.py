@@ -18,6 +18,8 @@ def _rotate(xp, x, freqs, table: Table, positions, interleaved: bool, backward: 
     mask = table_mask(xp, p, in_seq, table.rows)
     d2 = table.d2
     f2 = xp.asarray(freqs).reshape(freqs.shape[0], d2)
+    if table.rows == 0:  # an empty table: every token is outside it and copied
+        f2 = xp.zeros((1, d2), xp.float32)
     ang = f2[xp.where(mask, p, 0)][..., None, :]  # lead..., 1, d2
     c, s = xp.cos(ang), xp.sin(ang)
     xr = x[..., :d2].astype(xp.float32)

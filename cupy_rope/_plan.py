@@ -162,10 +162,15 @@ class Positions:
     sp_is64: bool
 
 
-def resolve_positions(layout: str, tokens_shape: tuple, table_rows: int, cu_seqlens, start_positions,
+# Largest cp_size accepted (positions and the kernel's index math stay far from 64-bit overflow).
+MAX_CP_SIZE = 2**31
+
+
+def resolve_positions(layout: str, tokens_shape: tuple, tables: dict, cu_seqlens, start_positions,
                       cp_size, cp_rank) -> Positions:
-    """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,)."""
-    cp_size = check_int("cp_size", cp_size, lo=1)
+    """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,);
+    ``tables`` = {argument name: rows} of the angle tables the positions index."""
+    cp_size = check_int("cp_size", cp_size, lo=1, hi=MAX_CP_SIZE)
     cp_rank = check_int("cp_rank", cp_rank, lo=0)
     if cp_rank >= cp_size:
         raise _err("cp_rank", f"0 <= cp_rank < cp_size = {cp_size}", cp_rank)
@@ -188,9 +193,10 @@ def resolve_positions(layout: str, tokens_shape: tuple, table_rows: int, cu_seql
         if cp_size > 1 and s % 2:
             raise _err("x", f"an even local sequence length with cp_size = {cp_size} > 1",
                        f"s = {s}")
-        if table_rows < s * cp_size:
-            raise _err("freqs", f"at least s * cp_size = {s} * {cp_size} = {s * cp_size} rows",
-                       f"{table_rows} rows")
+        for tname, rows in tables.items():
+            if rows < s * cp_size:
+                raise _err(tname, f"at least s * cp_size = {s} * {cp_size} = {s * cp_size} rows",
+                           f"{rows} rows")
     if start_positions is not None and start_positions.shape[0] < nseq:
         what = "b" if layout != "thd" else "nseq = len(cu_seqlens) - 1"
         raise _err("start_positions", f"at least {what} = {nseq} entries",
@@ -294,8 +300,8 @@ QKV_FIELDS = (
     "vs0", "vs1", "vsh", "vsd", "n_groups", "n_q", "d", "d2", "n_chunks", "n_units", "n_rot_units",
     "tail_w", "qf_rows", "qf_srow", "qf_scol", "kf_rows", "kf_srow", "kf_scol", "k_same_table",
 )
-POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "start_positions", "sp_is64",
-              "cp_size", "cp_rank")
+POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "cu_stride", "start_positions",
+              "sp_is64", "sp_stride", "cp_size", "cp_rank")
 # 64-bit slot of each address in the packed rope parameters (patched by the launch cache)
 ROPE_PTR_SLOTS = {"x": 0, "y": 1, "freqs": 2,
                   "cu_seqlens": len(ROPE_FIELDS) + POS_FIELDS.index("cu_seqlens"),
@@ -347,11 +353,17 @@ def pack(fields, vals: dict) -> bytes:
     return struct.pack(f"<{len(fields)}q", *(int(vals[f]) for f in fields))
 
 
+def index_stride(a: ArrayInfo | None) -> int:
+    """Element stride of a 1-D index tensor (any sign, 0 included); 1 when absent."""
+    return 1 if a is None or not a.strides else a.strides[0]
+
+
 def pack_pos(pos: Positions, cu: ArrayInfo | None, sp: ArrayInfo | None) -> bytes:
     return pack(POS_FIELDS, dict(
         layout=LAYOUTS[pos.layout], seq_len=pos.seq_len, nseq=pos.nseq,
         cu_seqlens=cu.ptr if cu is not None else 0, cu_is64=pos.cu_is64,
-        start_positions=sp.ptr if sp is not None else 0, sp_is64=pos.sp_is64,
+        cu_stride=index_stride(cu), start_positions=sp.ptr if sp is not None else 0,
+        sp_is64=pos.sp_is64, sp_stride=index_stride(sp),
         cp_size=pos.cp_size, cp_rank=pos.cp_rank))
 
 
@@ -395,18 +407,18 @@ def resolve_rope(x: ArrayInfo, freqs: ArrayInfo, layout, interleaved, cu_seqlens
     if x.ndim != want:
         dims = "[t, h, d]" if layout == "thd" else f"[{', '.join(layout)}]"
         raise _err(x_name, f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(x.shape)}")
-    check_same_device(x_name, x, {"freqs": freqs, "cu_seqlens": cu_seqlens,
-                                  "start_positions": start_positions})
-    d, heads = x.shape[-1], x.shape[-2]
-    table = check_freqs("freqs", freqs, d)
-    _, _, tokens_shape = split_tokens(layout, x.shape)
-    pos = resolve_positions(layout, tokens_shape, table.rows, cu_seqlens, start_positions, cp_size,
-                            cp_rank)
     if transpose_output_memory:
         if layout != "sbhd":
             raise _err("transpose_output_memory", "True only with layout 'sbhd'", f"layout {layout!r}")
         if out is not None:
             raise _err("transpose_output_memory", "False when `out` is given", "True")
+    check_same_device(x_name, x, {"freqs": freqs, "cu_seqlens": cu_seqlens,
+                                  "start_positions": start_positions})
+    d, heads = x.shape[-1], x.shape[-2]
+    table = check_freqs("freqs", freqs, d)
+    _, _, tokens_shape = split_tokens(layout, x.shape)
+    pos = resolve_positions(layout, tokens_shape, {"freqs": table.rows}, cu_seqlens, start_positions,
+                            cp_size, cp_rank)
     check_out(out, x.shape, x.dtype, x, x_name,
               {x_name: x, "freqs": freqs, "cu_seqlens": cu_seqlens, "start_positions": start_positions})
     return RopePlan(layout=layout, interleaved=interleaved, backward=backward, dtype=x.dtype,
@@ -468,18 +480,27 @@ class QkvPlan:
         return name, blocks_for(threads), _kernels.BLOCK, params
 
 
+def check_split(split) -> tuple[int, int, int]:
+    """``split``: a sequence of three positive ints ``(q_size, k_size, v_size)``."""
+    import numpy as np
+
+    ok = not isinstance(split, (str, bytes)) and hasattr(split, "__len__") and len(split) == 3 and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in split)
+    if not ok:
+        raise _terr("split", "three ints (q_size, k_size, v_size)", repr(split))
+    sizes = tuple(int(v) for v in split)
+    if min(sizes) < 1:
+        raise _err("split", "three sizes >= 1 (q_size, k_size, v_size)", repr(sizes))
+    return sizes
+
+
 def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[int, int]:
     """(query heads per group n, head dim d) from ``split`` or ``num_q_heads`` (spec 6)."""
     if (split is None) == (num_q_heads is None):
         raise _err("split", "exactly one of `split` and `num_q_heads`",
                    "both" if split is not None else "neither")
     if split is not None:
-        try:
-            sizes = tuple(check_int("split", int(v) if not isinstance(v, bool) else v, lo=1) for v in split)
-        except TypeError:
-            raise _terr("split", "three ints (q_size, k_size, v_size)", repr(split)) from None
-        if len(sizes) != 3:
-            raise _err("split", "three sizes (q_size, k_size, v_size)", repr(tuple(split)))
+        sizes = check_split(split)
         q_size, k_size, v_size = sizes
         if q_size + k_size + v_size != width:
             raise _err("split", f"sizes adding up to the last dimension of `{arg}` ({width})",
@@ -490,6 +511,8 @@ def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[in
                        f"{sizes}")
         return q_size // d, d
     num_q_heads = check_int("num_q_heads", num_q_heads, lo=1)
+    if groups == 0:
+        raise _err(arg, "at least one KV group (dimension -2) when `num_q_heads` is given", "g = 0")
     if num_q_heads % groups:
         raise _err("num_q_heads", f"a multiple of the number of groups g = {groups}", num_q_heads)
     n = num_q_heads // groups
@@ -509,7 +532,7 @@ def _qkv_common(layout, lead_shape, groups, n, d, ref: ArrayInfo, ref_name, q_fr
         raise _err("k_freqs", f"the rotary width of `q_freqs` (d2 = {qt.d2})", f"d2 = {kt.d2}")
     same = q_freqs.ptr == k_freqs.ptr and qt == kt and q_freqs.ptr != 0
     tokens_shape = split_tokens(layout, lead_shape + (0,))[2]
-    pos = resolve_positions(layout, tokens_shape, min(qt.rows, kt.rows), cu_seqlens,
+    pos = resolve_positions(layout, tokens_shape, {"q_freqs": qt.rows, "k_freqs": kt.rows}, cu_seqlens,
                             start_positions, cp_size, cp_rank)
     return QkvPlan(layout=layout, interleaved=interleaved, backward=backward, dtype=ref.dtype,
                    lead_shape=tuple(lead_shape), groups=groups, n_q=n, d=d, q_table=qt,
@@ -553,15 +576,26 @@ def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k
     if tuple(dv.shape) != tuple(dk.shape):
         raise _err("dv", f"the shape of `dk` {tuple(dk.shape)}", f"shape {tuple(dv.shape)}")
     groups, d = dk.shape[-2], dk.shape[-1]
-    if groups == 0 or dq.shape[-2] % groups:
-        raise _err("dq", f"a head count that is a multiple of the groups g = {groups}",
-                   f"{dq.shape[-2]} heads")
-    n = dq.shape[-2] // groups
-    if split is not None or num_q_heads is not None:
-        n2, d2 = qkv_heads(split, num_q_heads, groups, (n + 2) * d, "dqkv")
-        if (n2, d2) != (n, d):
-            raise _err("split" if split is not None else "num_q_heads",
-                       f"a split matching the gradients (n = {n} query heads per group, d = {d})",
-                       f"n = {n2}, d = {d2}")
+    if groups == 0:  # no KV groups: only the split defines the packed width
+        if dq.shape[-2]:
+            raise _err("dq", "no heads when `dk` has no groups (g = 0)", f"{dq.shape[-2]} heads")
+        if split is None:
+            raise _err("split", "(q_size, k_size, v_size) when there are no KV groups (g = 0): the "
+                       "gradients' shapes do not define the packed width", "None")
+        q_size, k_size, v_size = check_split(split)
+        n, d2 = qkv_heads(split, None, 0, q_size + k_size + v_size, "dqkv")
+        if d2 != d:
+            raise _err("split", f"k_size = v_size = the head dim of `dk` ({d})", repr((q_size, k_size, v_size)))
+    else:
+        if dq.shape[-2] % groups:
+            raise _err("dq", f"a head count that is a multiple of the groups g = {groups}",
+                       f"{dq.shape[-2]} heads")
+        n = dq.shape[-2] // groups
+        if split is not None or num_q_heads is not None:
+            n2, d2 = qkv_heads(split, num_q_heads, groups, (n + 2) * d, "dqkv")
+            if (n2, d2) != (n, d):
+                raise _err("split" if split is not None else "num_q_heads",
+                           f"a split matching the gradients (n = {n} query heads per group, d = {d})",
+                           f"n = {n2}, d = {d2}")
     return _qkv_common(layout, tuple(dq.shape[:-2]), groups, n, d, dq, "dq", q_freqs, k_freqs,
                        interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)

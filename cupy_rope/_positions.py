@@ -60,32 +60,40 @@ def table_mask(xp, p, in_seq, rows: int):
     return in_seq & (p >= 0) & (p < rows)
 
 
-def check_index_contents(pos: Positions, lead_shape: tuple, table_rows: int, cu_seqlens=None,
-                         start_positions=None) -> None:
-    """The debug check of spec 5.4: index tensors (host NumPy arrays) against the table.
-
-    Raises ``ValueError`` naming the argument and the first offending entry.
-    """
-    if pos.layout == "thd":
-        cu = np.asarray(cu_seqlens).astype(np.int64)
-        t = lead_shape[0]
-        if cu[0] != 0:
-            raise ValueError(f"cupy_rope: `cu_seqlens`: expected cu_seqlens[0] == 0, got {cu[0]}")
-        bad = np.nonzero(np.diff(cu) < 0)[0]
+def check_cu_seqlens(pos: Positions, t: int, cu_seqlens) -> None:
+    """Spec 5.2: ``cu_seqlens`` (host NumPy values) starts at 0, does not decrease, ends within the
+    ``t`` local rows, and (cp) has every length divisible by ``2 * cp_size``. Raises ``ValueError``
+    naming the first offending entry. The NumPy backend always runs it (the values are on the host);
+    on the GPU it is part of the debug check."""
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cupy_rope: `cu_seqlens`: expected cu_seqlens[0] == 0, got {cu[0]}")
+    bad = np.nonzero(np.diff(cu) < 0)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError("cupy_rope: `cu_seqlens`: expected non-decreasing values, got "
+                         f"cu_seqlens[{i}] = {cu[i]} > cu_seqlens[{i + 1}] = {cu[i + 1]}")
+    if cu[-1] // pos.cp_size > t:
+        raise ValueError(f"cupy_rope: `cu_seqlens`: expected cu_seqlens[-1] // cp_size <= t = {t} "
+                         f"rows, got {cu[-1]} // {pos.cp_size} = {cu[-1] // pos.cp_size}")
+    if pos.cp_size > 1:
+        lens = np.diff(cu)
+        bad = np.nonzero(lens % (2 * pos.cp_size))[0]
         if bad.size:
             i = int(bad[0])
-            raise ValueError("cupy_rope: `cu_seqlens`: expected non-decreasing values, got "
-                             f"cu_seqlens[{i}] = {cu[i]} > cu_seqlens[{i + 1}] = {cu[i + 1]}")
-        if cu[-1] // pos.cp_size > t:
-            raise ValueError(f"cupy_rope: `cu_seqlens`: expected cu_seqlens[-1] // cp_size <= t = {t} "
-                             f"rows, got {cu[-1]} // {pos.cp_size} = {cu[-1] // pos.cp_size}")
-        if pos.cp_size > 1:
-            lens = np.diff(cu)
-            bad = np.nonzero(lens % (2 * pos.cp_size))[0]
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(f"cupy_rope: `cu_seqlens`: expected every sequence length divisible by "
-                                 f"2 * cp_size = {2 * pos.cp_size}, got length {lens[i]} for sequence {i}")
+            raise ValueError(f"cupy_rope: `cu_seqlens`: expected every sequence length divisible by "
+                             f"2 * cp_size = {2 * pos.cp_size}, got length {lens[i]} for sequence {i}")
+
+
+def check_index_contents(pos: Positions, lead_shape: tuple, tables: dict, cu_seqlens=None,
+                         start_positions=None) -> None:
+    """The debug check of spec 5.4: index tensors (host NumPy arrays) against the tables
+    (``{argument name: rows}``): valid ``cu_seqlens``, start positions >= 0, every token's
+    position inside every table. Raises ``ValueError`` naming the argument and the first
+    offending entry."""
+    if pos.layout == "thd":
+        check_cu_seqlens(pos, lead_shape[0], cu_seqlens)
+    sp = None
     if start_positions is not None:
         sp = np.asarray(start_positions).astype(np.int64)[: pos.nseq]
         bad = np.nonzero(sp < 0)[0]
@@ -94,9 +102,29 @@ def check_index_contents(pos: Positions, lead_shape: tuple, table_rows: int, cu_
             raise ValueError(f"cupy_rope: `start_positions`: expected values >= 0, got "
                              f"start_positions[{i}] = {sp[i]}")
     p, in_seq = token_positions(np, pos, lead_shape, cu_seqlens, start_positions)
-    over = in_seq & (p >= table_rows)
-    if over.any():
-        idx = tuple(int(i[0]) for i in np.nonzero(over))
-        raise ValueError(f"cupy_rope: `freqs`: expected at least {int(p[over].max()) + 1} rows for the "
-                         f"positions that `start_positions`/`cu_seqlens` give (token {idx} is at "
-                         f"position {int(p[idx])}), got {table_rows} rows")
+    # a start position alone past the table also catches positions that wrapped around 2^63
+    start = None if sp is None else _per_token(pos, lead_shape, cu_seqlens, sp)
+    for name, rows in tables.items():
+        over = in_seq & ((p >= rows) | (p < 0))
+        if start is not None:
+            over |= in_seq & (start >= rows)
+        if over.any():
+            idx = tuple(int(i[0]) for i in np.nonzero(over))
+            where = f"position {int(p[idx])}" if p[idx] >= 0 else "a position past 2^63"
+            raise ValueError(f"cupy_rope: `{name}`: expected enough rows for the positions that "
+                             f"`start_positions`/`cu_seqlens` give (token {idx} is at {where}), got "
+                             f"{rows} rows")
+
+
+def _per_token(pos: Positions, lead_shape: tuple, cu_seqlens, sp):
+    """The start position of each token's sequence (int64, ``lead_shape``)."""
+    if pos.layout == "thd":
+        cu = np.asarray(cu_seqlens).astype(np.int64)
+        starts = cu[:-1] // pos.cp_size
+        seq = np.clip(np.searchsorted(starts, np.arange(lead_shape[0]), side="right") - 1, 0,
+                      max(pos.nseq - 1, 0))
+        return sp[seq] if pos.nseq else np.zeros(lead_shape, np.int64)
+    b_axis = 1 if pos.layout == "sbhd" else 0
+    shape = [1, 1]
+    shape[b_axis] = -1
+    return np.broadcast_to(sp.reshape(shape), lead_shape)

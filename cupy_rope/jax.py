@@ -40,6 +40,14 @@ def _info(a, ptr=0, device=("cpu", 0)):
     return _plan.ArrayInfo(shape, _plan.output_strides(shape), np.dtype(a.dtype).name, device, ptr)
 
 
+def _check_cpu_cu(plan, lead_shape, cu):
+    """CPU: a concrete ``cu_seqlens`` (not a tracer) is checked like the NumPy backend does."""
+    if plan.pos.layout == "thd" and cu is not None and not isinstance(cu, jax.core.Tracer):
+        from ._positions import check_cu_seqlens
+
+        check_cu_seqlens(plan.pos, lead_shape[0], np.asarray(cu))
+
+
 def _on_gpu(*arrays) -> bool:
     for a in arrays:
         if a is None:
@@ -83,6 +91,7 @@ def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward
     plan = _plan.resolve_rope(_info(x), _info(freqs), layout, interleaved, _info(cu), _info(sp), cp_size,
                               cp_rank, None, backward, x_name="grad" if backward else "x")
     if not _on_gpu(x, freqs):
+        _check_cpu_cu(plan, tuple(x.shape[:-2]), cu)
         return _numpy_backend.rope(jnp, plan, x, freqs, cu, sp)
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
@@ -177,6 +186,7 @@ def _qkv_impl(arrays, qf, kf, cu, sp, split, layout, interleaved, cp_size, cp_ra
     plan = _qkv_plan(arrays, qf, kf, split, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
     dt = arrays[0].dtype
     if not _on_gpu(*arrays):
+        _check_cpu_cu(plan, plan.lead_shape, cu)
         fn = _numpy_backend.qkv_backward if backward else _numpy_backend.qkv_forward
         return fn(jnp, plan, *arrays, qf, kf, cu, sp)
     if backward:

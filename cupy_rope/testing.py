@@ -55,7 +55,7 @@ def rope_ref(x, freqs, layout="sbhd", interleaved=False, cu_seqlens=None, start_
              cp_size=1, cp_rank=0, backward=False):
     """float64 result of spec section 3 (forward) or 4 (backward); x any dtype."""
     x64 = np.asarray(x).astype(np.float64)
-    f = np.asarray(freqs, np.float32).reshape(freqs.shape[0], -1).astype(np.float64)
+    f = np.asarray(freqs, np.float32).reshape(freqs.shape[0], freqs.shape[-1]).astype(np.float64)
     S, d2 = f.shape
     y = x64.copy()
     lead = x64.shape[:-2]

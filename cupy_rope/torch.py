@@ -128,6 +128,15 @@ _qkv_bwd_op.register_autograd(_qkv_bwd_grad, setup_context=_qkv_bwd_setup)
 
 
 # ----------------------------------------------------------------------------- public
+def _check_tensors(**named) -> None:
+    """The ops take tensors only: a ``TypeError`` naming the argument (not a dispatcher schema
+    dump) for anything else; ``cu_seqlens``/``start_positions`` may be None."""
+    for name, v in named.items():
+        if not isinstance(v, torch.Tensor) and not (v is None and name in ("cu_seqlens", "start_positions")):
+            got = "None" if v is None else type(v).__name__
+            raise TypeError(f"cupy_rope.torch: `{name}`: expected a torch.Tensor, got {got}")
+
+
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, interleaved: bool = False,
                cu_seqlens: Optional[torch.Tensor] = None, start_positions: Optional[torch.Tensor] = None,
                cp_size: int = 1, cp_rank: int = 0, out: Optional[torch.Tensor] = None,
@@ -145,6 +154,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
         >>> crt.apply_rope(x, f).sum().backward(); x.grad.shape
         torch.Size([16, 2, 4, 64])
     """
+    _check_tensors(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     if out is not None:
         if torch.is_grad_enabled() and x.requires_grad:
             raise ValueError("cupy_rope.torch.apply_rope: `out`: expected None when `x` requires grad "
@@ -167,6 +177,11 @@ def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "
         >>> crt.apply_rope_backward(torch.ones(16, 2, 4, 64), f).shape
         torch.Size([16, 2, 4, 64])
     """
+    unknown = set(kw) - {"interleaved", "cu_seqlens", "start_positions", "cp_size", "cp_rank",
+                         "transpose_output_memory"}
+    if unknown:
+        raise TypeError(f"cupy_rope.torch.apply_rope_backward: unexpected keyword `{sorted(unknown)[0]}`")
+    _check_tensors(grad=grad, freqs=freqs, cu_seqlens=kw.get("cu_seqlens"), start_positions=kw.get("start_positions"))
     return _rope_op(grad, freqs, layout, kw.get("interleaved", False), kw.get("cu_seqlens"),
                     kw.get("start_positions"), kw.get("cp_size", 1), kw.get("cp_rank", 0), True,
                     kw.get("transpose_output_memory", False))
@@ -193,7 +208,10 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
         >>> (q.sum() + k.sum() + v.sum()).backward(); qkv.grad.shape
         torch.Size([8, 1, 2, 384])
     """
-    sp = _split(qkv.shape[-1], qkv.shape[-2], split, num_q_heads) if qkv.dim() >= 2 else list(split)
+    _check_tensors(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    if qkv.dim() < 2:
+        raise ValueError(f"cupy_rope.torch: `qkv`: expected a 3-D or 4-D tensor, got shape {tuple(qkv.shape)}")
+    sp = _split(qkv.shape[-1], qkv.shape[-2], split, num_q_heads)
     return _qkv_op(qkv, q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions,
                    cp_size, cp_rank)
 

@@ -121,10 +121,11 @@ __device__ __forceinline__ void from_floats(const float* y, Vec<T, V>& v) {
   }
 }
 
-// Integer index tensors (cu_seqlens, start_positions) are int32 or int64.
-__device__ __forceinline__ i64 load_index(i64 addr, i64 is64, i64 i) {
-  return is64 ? reinterpret_cast<const long long*>(addr)[i]
-              : (i64)reinterpret_cast<const int*>(addr)[i];
+// Integer index tensors (cu_seqlens, start_positions) are int32 or int64, with any element
+// stride (negative and 0 included): entry i is at addr + i * stride elements.
+__device__ __forceinline__ i64 load_index(i64 addr, i64 is64, i64 stride, i64 i) {
+  return is64 ? reinterpret_cast<const long long*>(addr)[i * stride]
+              : (i64)reinterpret_cast<const int*>(addr)[i * stride];
 }
 
 // Python's floor division (cu_seqlens // cp_size), also for (invalid) negative values.
@@ -141,10 +142,12 @@ struct PosArgs {
   i64 layout;          // 0 sbhd, 1 bshd, 2 thd
   i64 seq_len;         // sbhd/bshd: local sequence length s
   i64 nseq;            // thd: number of sequences (len(cu_seqlens) - 1)
-  i64 cu_seqlens;      // thd: address of cu_seqlens
+  i64 cu_seqlens;      // thd: address of cu_seqlens[0]
   i64 cu_is64;
-  i64 start_positions; // 0 when absent
+  i64 cu_stride;       // element stride of cu_seqlens
+  i64 start_positions; // address of start_positions[0]; 0 when absent
   i64 sp_is64;
+  i64 sp_stride;       // element stride of start_positions
   i64 cp_size, cp_rank;
 };
 
@@ -170,11 +173,11 @@ __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 
     i64 lo = 0, hi = a.nseq;
     while (hi - lo > 1) {
       const i64 mid = (lo + hi) >> 1;
-      if (floor_div(load_index(a.cu_seqlens, a.cu_is64, mid), a.cp_size) <= t) lo = mid;
+      if (floor_div(load_index(a.cu_seqlens, a.cu_is64, a.cu_stride, mid), a.cp_size) <= t) lo = mid;
       else hi = mid;
     }
-    const i64 start = floor_div(load_index(a.cu_seqlens, a.cu_is64, lo), a.cp_size);
-    const i64 end = floor_div(load_index(a.cu_seqlens, a.cu_is64, lo + 1), a.cp_size);
+    const i64 start = floor_div(load_index(a.cu_seqlens, a.cu_is64, a.cu_stride, lo), a.cp_size);
+    const i64 end = floor_div(load_index(a.cu_seqlens, a.cu_is64, a.cu_stride, lo + 1), a.cp_size);
     if (t < start || t >= end) return false;
     seq = lo;
     j = t - start;
@@ -185,7 +188,10 @@ __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 
     L = a.seq_len;
   }
   pos = cp_position(j, L, a.cp_size, a.cp_rank);
-  if (a.start_positions) pos += load_index(a.start_positions, a.sp_is64, seq);
+  // Added modulo 2^64 (defined wrap-around): a start position near 2^63 gives a negative
+  // position, outside the table, and the token is copied (spec 5.4), as in the Python backends.
+  if (a.start_positions)
+    pos = (i64)((unsigned long long)pos + (unsigned long long)load_index(a.start_positions, a.sp_is64, a.sp_stride, seq));
   return true;
 }
 

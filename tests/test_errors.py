@@ -39,7 +39,8 @@ CU = np.array([0, 4, 10], np.int32)
     (lambda: cupy_rope.apply_rope(X, F, cp_size=2.0), TypeError, ["cp_size", "int"]),
     (lambda: cupy_rope.apply_rope(X, F, out=np.empty((16, 2, 4, 63), np.float32)), ValueError, ["out", "shape"]),
     (lambda: cupy_rope.apply_rope(X, F, out=np.empty(X.shape, np.float16)), TypeError, ["out", "float32"]),
-    (lambda: cupy_rope.apply_rope(X, F, out=np.broadcast_to(np.empty((1, 2, 4, 64), np.float32), X.shape)), ValueError, ["out", "zero strides"]),
+    (lambda: cupy_rope.apply_rope(X, F, out=np.lib.stride_tricks.as_strided(np.empty((2, 4, 64), np.float32), X.shape, (0, 1024, 256, 4))), ValueError, ["out", "zero strides"]),
+    (lambda: cupy_rope.apply_rope(X, F, out=np.broadcast_to(np.empty((1, 2, 4, 64), np.float32), X.shape)), ValueError, ["`out`", "read-only"]),
     (lambda: cupy_rope.apply_rope(X, F, "bshd", transpose_output_memory=True), ValueError, ["transpose_output_memory", "sbhd"]),
     (lambda: cupy_rope.apply_rope([1, 2], F), TypeError, ["list"]),
     (lambda: cupy_rope.apply_qkv_rope(np.zeros((4, 1, 2, 6 * 8), np.float32), F[..., :8], F[..., :8], split=(32, 8, 9)), ValueError, ["split", "48", "sum 49"]),
@@ -61,8 +62,12 @@ def test_debug_switch_checks_index_contents():
     f = F[:8]
     cu_bad = np.array([0, 6, 4, 10], np.int32)
     t = np.random.default_rng(2).uniform(-1, 1, (10, 2, 64)).astype(np.float32)
-    # without the switch: defined behaviour, no error
-    cupy_rope.apply_rope(t, f, "thd", cu_seqlens=cu_bad)
+    # without the switch, on the CPU: invalid cu_seqlens raise (the values are on the host),
+    # positions past the table are copied through (spec 5.4)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cupy_rope.apply_rope(t, f, "thd", cu_seqlens=cu_bad)
+    y = cupy_rope.apply_rope(t, f, "thd", cu_seqlens=np.array([0, 10], np.int32))
+    np.testing.assert_array_equal(y[8:], t[8:])
     cupy_rope.set_debug(True)
     try:
         with pytest.raises(ValueError, match="non-decreasing"):

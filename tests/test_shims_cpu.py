@@ -188,4 +188,6 @@ def test_empty_like_allocates_in_the_callers_framework():
     t, ptr = _interop.empty_like("torch", like, (3, 2, 4, 8), transposed=True)  # sbhd view of bshd memory
     assert t.shape == (3, 2, 4, 8) and t.stride() == (4 * 8, 3 * 4 * 8, 8, 1) and ptr == t.data_ptr()
     with pytest.raises(TypeError, match="cannot allocate"):
-        _interop.empty_like("numpy", np.zeros(3), (3,))
+        _interop.empty_like("jax", np.zeros(3), (3,))
+    n, ptr = _interop.empty_like("numpy", np.zeros((2, 3, 1, 4), np.float16), (3, 2, 1, 4), transposed=True)
+    assert n.shape == (3, 2, 1, 4) and n.dtype == np.float16 and n.strides == (8, 24, 8, 2)
