@@ -34,6 +34,22 @@ import numpy as np
 L2_BYTES = 60 * 2**20
 
 
+def gpu_missing() -> str:
+    """Why the suite cannot run here ('' when a CUDA GPU is visible to CuPy and torch)."""
+    try:
+        import cupy
+
+        if not (cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0):
+            return "CuPy finds no CUDA device"
+    except Exception as e:
+        return f"CuPy unavailable: {type(e).__name__}"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return "" if torch.cuda.is_available() else "torch has no CUDA device (a CPU build?)"
+
+
 # ----------------------------------------------------------------------------- timing
 def graph_time(fns, reps=15):
     """Median device µs per function call, from CUDA-graph replays of ``fns`` in order."""
@@ -533,9 +549,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer launches per measurement")
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="time cupy_rope and the copy only")
-    ap.add_argument("--plot", help="write a PNG of % of copy bandwidth per shape")
+    ap.add_argument("--plot", help="write a PNG of %% of copy bandwidth per shape")
     a = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    why = gpu_missing()
+    if why:
+        print(f"cupy_rope bench: the benchmark suite needs a CUDA GPU visible to CuPy and to torch ({why}); "
+              "`python -m cupy_rope` prints a CPU table.", file=sys.stderr)
+        raise SystemExit(2)
     import torch
 
     want = {int(v) for v in a.rows.split(",") if v}
