@@ -25,7 +25,7 @@ if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
   # the fuzz of every entry point under memcheck, memory pools off so that a read past a small
   # (index) array leaves its allocation
   for b in cupy torch-cuda; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool memcheck --error-exitcode 9 \
+    PYTHONPATH=$PWD PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 tests/fuzz.py --backend $b --seeds ${SAN_SEEDS:-0:400} --no-pool 2>&1 | tee "$OUT/memcheck_$b.log" \
       | grep -E "^fuzz|ERROR SUMMARY|FAIL seed|Invalid" | head -8
   done

@@ -554,8 +554,10 @@ def _make_invalid(case: Case, rng, backend):
         case.expect_error = "split"
     elif what == "num_q_heads":
         kw.pop("split", None)
-        g = case.meta["g"]
-        kw["num_q_heads"] = g * case.meta["n"] + 1 if g else 1
+        g, n, d = case.meta["g"], case.meta["n"], case.meta["d"]
+        width = (n + 2) * d
+        # a head count that is not a multiple of g, or whose heads per group do not split the width
+        kw["num_q_heads"] = next(k for k in range(1, 10 * width) if k % g or width % (k // g + 2)) if g else 1
         case.expect_error = "num_q_heads" if g else "qkv"
     elif what == "grad_dtype":
         other = np.float16 if case.dtype != "float16" else np.float32
