@@ -60,7 +60,10 @@ def entry_line(name: str) -> str:
 
 
 def source_dir() -> Path:
-    """Directory holding the ``.cu``/``.cuh`` files (installed package or source tree)."""
+    """Directory holding the ``.cu``/``.cuh`` files (installed package or source tree;
+    ``CUPY_ROPE_KERNELS_DIR`` points elsewhere, for development tools such as the mutation run)."""
+    if os.environ.get("CUPY_ROPE_KERNELS_DIR"):
+        return Path(os.environ["CUPY_ROPE_KERNELS_DIR"])
     here = Path(__file__).resolve().parent
     for cand in (here / "kernels_cu", here.parent / "kernels_cu"):
         if (cand / SOURCES[0]).is_file():

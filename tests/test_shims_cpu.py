@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from reference import assert_close_to_ref, rope_ref
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref
 
 torch = pytest.importorskip("torch")
 
@@ -191,3 +191,36 @@ def test_empty_like_allocates_in_the_callers_framework():
         _interop.empty_like("jax", np.zeros(3), (3,))
     n, ptr = _interop.empty_like("numpy", np.zeros((2, 3, 1, 4), np.float16), (3, 2, 1, 4), transposed=True)
     assert n.shape == (3, 2, 1, 4) and n.dtype == np.float16 and n.strides == (8, 24, 8, 2)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_te_qkv_dropin_against_reference(layout, interleaved):
+    """fused_qkv_rope_forward/backward against the float64 reference with general tables (two
+    angles per pair), separate q/k tables, non-zero start positions and context parallelism:
+    dropping any of start_positions, cp_size, cp_rank or a table would fail here."""
+    from cupy_rope import te
+
+    rng = np.random.default_rng(40 + interleaved)
+    g, n, d, d2 = 2, 3, 32, 24
+    qf = rng.uniform(-9, 9, (20, 1, 1, d2)).astype(np.float32)
+    kf = rng.uniform(-9, 9, (21, d2)).astype(np.float32)
+    sp = np.array([3, 1, 2], np.int32)
+    cu = np.array([0, 4, 12], np.int32) if layout == "thd" else None
+    lead = (7,) if layout == "thd" else ((4, 2) if layout == "sbhd" else (2, 4))
+    qkv = rng.uniform(-1, 1, lead + (g, (n + 2) * d)).astype(np.float32)
+    kw = dict(layout=layout, interleaved=interleaved, start_positions=sp, cp_size=2, cp_rank=1, cu_seqlens=cu)
+    T = torch.from_numpy
+    args = (T(qf), T(kf), T(sp), [n * d, d, d], layout, interleaved, 2, 1)
+    q, k, v = te.fused_qkv_rope_forward(T(qkv), *args, cu_seqlens=None if cu is None else T(cu))
+    xq, xk, xv = qkv_split_ref(qkv, n, d)
+    assert_close_to_ref(q.numpy(), rope_ref(xq, qf, **kw), xq, d2, "float32", "q")
+    assert_close_to_ref(k.numpy(), rope_ref(xk, kf, **kw), xk, d2, "float32", "k")
+    np.testing.assert_array_equal(v.numpy(), xv)
+    dq, dk, dv = (rng.uniform(-1, 1, lead + (h, d)).astype(np.float32) for h in (g * n, g, g))
+    dqkv = te.fused_qkv_rope_backward(T(dq), T(dk), T(dv), T(qf), T(kf), [n * d, d, d], layout, interleaved, 2, 1,
+                                      start_positions=T(sp), cu_seqlens=None if cu is None else T(cu))
+    gq, gk, gv = qkv_split_ref(dqkv.numpy(), n, d)
+    assert_close_to_ref(gq, rope_ref(dq, qf, backward=True, **kw), dq, d2, "float32", "dq")
+    assert_close_to_ref(gk, rope_ref(dk, kf, backward=True, **kw), dk, d2, "float32", "dk")
+    np.testing.assert_array_equal(gv, dv)

@@ -1,0 +1,107 @@
+"""Mutation run: plant single-operator bugs in ``kernels_cu/`` and check that the CPU suite
+(host build of the kernels) catches each one that still builds.
+
+    python benchmarks/mutation.py --count 40 --jobs 2 --json mutation.json
+
+Each mutant changes one token on one line of the kernel source (an arithmetic or comparison
+operator, a logical operator, a small integer constant, or a whole statement removed), chosen
+with a fixed seed among the lines of the device code. A mutant is *killed* when the test subset
+fails, *unbuilt* when the host build fails (the compiler caught it), *survived* otherwise; a
+survivor is either a gap in the tests or an equivalent mutant (same behaviour), to be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels_cu"
+FILES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
+TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_host_kernels",
+         "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_safety.py"]
+SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" < ", " <= "), (" <= ", " < "), (" > ", " >= "),
+         (" >= ", " > "), (" == ", " != "), (" != ", " == "), (" && ", " || "), (" || ", " && "),
+         ("+= ", "-= "), ("(1)", "(0)"), (" 1;", " 0;"), (" 2 ", " 1 "), ("++k", "k++")]
+
+
+def candidates():
+    """(file, line number, original, mutated, description) for every possible mutant."""
+    out = []
+    for f in FILES:
+        lines = (KERNELS / f).read_text().splitlines()
+        for i, line in enumerate(lines):
+            code = line.split("//")[0]
+            s = code.strip()
+            if not s or s.startswith(("#", "template", "struct", "typedef", "namespace", "static constexpr")):
+                continue
+            for a, b in SWAPS:
+                for m in re.finditer(re.escape(a), code):
+                    out.append((f, i, line, line[:m.start()] + b + line[m.end():], f"{a.strip()} -> {b.strip()}"))
+            if s.endswith(";") and not s.startswith(("return", "const", "float", "i64", "int", "bool", "Vec",
+                                                     "unsigned", "typedef", "constexpr")) and "(" in s:
+                out.append((f, i, line, "", "statement removed"))
+    return out
+
+
+def run_mutant(m, timeout):
+    f, i, orig, new, what = m
+    with tempfile.TemporaryDirectory() as tmp:
+        kd = Path(tmp) / "kernels_cu"
+        shutil.copytree(KERNELS, kd)
+        lines = (kd / f).read_text().splitlines()
+        lines[i] = new
+        (kd / f).write_text("\n".join(lines) + "\n")
+        env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(kd), CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"),
+                   PYTHONPATH=str(ROOT))
+        build = subprocess.run([sys.executable, "-c", "from cupy_rope import _hostkernels; _hostkernels.library()"],
+                               env=env, capture_output=True, text=True, cwd=ROOT)
+        if build.returncode:
+            return dict(file=f, line=i + 1, what=what, result="unbuilt")
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS], env=env,
+                               capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+            result = "killed" if r.returncode else "survived"
+        except subprocess.TimeoutExpired:
+            result = "killed (timeout)"
+    return dict(file=f, line=i + 1, what=what, original=orig.strip(), mutant=new.strip(), result=result)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=40, help="mutants to run (default 40)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per mutant's tests")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    cands = candidates()
+    picked = random.Random(a.seed).sample(cands, min(a.count, len(cands)))
+    results = []
+    with cf.ThreadPoolExecutor(a.jobs) as ex:
+        for r in ex.map(lambda m: run_mutant(m, a.timeout), picked):
+            results.append(r)
+            print(f"{r['result']:16s} {r['file']}:{r['line']} {r['what']}", flush=True)
+    built = [r for r in results if r["result"] != "unbuilt"]
+    killed = [r for r in built if r["result"].startswith("killed")]
+    print(f"mutation: {len(results)} mutants of {len(cands)} candidates, {len(results) - len(built)} did not build, "
+          f"{len(killed)} of {len(built)} built killed, {len(built) - len(killed)} survived")
+    for r in built:
+        if r["result"] == "survived":
+            print(f"  SURVIVED {r['file']}:{r['line']}: {r['original']}  ->  {r['mutant'] or '(removed)'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(candidates=len(cands), results=results), indent=1))
+    return 0 if len(killed) == len(built) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

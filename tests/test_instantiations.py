@@ -1,0 +1,95 @@
+"""Every kernel instantiation the library can launch runs on the CPU (host build of the real
+source, through the real launch plan) against the float64 reference: for each (kind, dtype,
+vector width, interleaved, direction) a call that the planner maps to exactly that kernel, with
+a tail of channels, poisoned strided output (rope) and a general table (pairs of two angles)."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from cupy_rope import _hostkernels, _kernels, _plan
+from cupy_rope._interop import info
+from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_ref
+
+LAUNCHED = set()
+
+
+@pytest.fixture(autouse=True)
+def _record(monkeypatch):
+    orig = _hostkernels.launch
+
+    def launch(name, *a):
+        LAUNCHED.add(name)
+        return orig(name, *a)
+
+    monkeypatch.setattr(_hostkernels, "launch", launch)
+
+
+def _parse(name):
+    kind, short, v, il, bw = name.split("_")
+    dtype = {s: d for d, s in _kernels.SHORT.items()}[short]
+    return kind, dtype, int(v[1:]), il == "i", bw == "b"
+
+
+def _aligned(shape, dtype, rng):
+    """Random values in a 16-byte aligned contiguous buffer."""
+    a = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])
+    buf = np.empty(a.nbytes + 16, np.uint8)
+    off = -buf.ctypes.data % 16
+    out = buf[off: off + a.nbytes].view(a.dtype).reshape(shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("tail", [2, 1], ids=["tail2v", "tail1v"])
+@pytest.mark.parametrize("name", _kernels.all_kernels())
+def test_instantiation_runs_and_is_right(name, tail):
+    kind, dtype, v, il, bw = _parse(name)
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
+    # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
+    # copied in units of two vectors (2v) or one (v: the one-vector tail unit)
+    h2 = v * 3
+    d2, d = 2 * h2, 2 * h2 + tail * v
+    f = rng.uniform(-40, 40, (10, d2)).astype(np.float32)
+    sp = np.array([2, 0, 1], np.int32)
+    if kind == "rope":
+        x = _aligned((4, 3, 5, d), dtype, rng)
+        plan = _plan.resolve_rope(info(x), info(f), "sbhd", il, None, info(sp), 2, 1, None, bw)
+        base = np.full((5, 4, 3, d), np.nan, x.dtype)  # strided output, poisoned
+        out = _aligned((5, 4, 3, d), dtype, rng)
+        out[...] = base
+        out = out.transpose(1, 2, 0, 3)
+        assert plan.launch(info(x), info(out), info(f), None, info(sp), 4)[0] == name
+        y = _hostkernels.run_rope(plan, x, f, None, sp, out=out)
+        ref = rope_ref(x, f, "sbhd", il, start_positions=sp, cp_size=2, cp_rank=1, backward=bw)
+        assert_close_to_ref(y, ref, x, d2, dtype, name)
+        return
+    g, n = 2, 3
+    kf = rng.uniform(-40, 40, (12, 1, 1, d2)).astype(np.float32)
+    kw = dict(start_positions=sp, cp_size=2, cp_rank=1)
+    lead = (4, 3)
+    if not bw:
+        qkv = _aligned(lead + (g, (n + 2) * d), dtype, rng)
+        plan = _plan.resolve_qkv(info(qkv), info(f), info(kf), None, "sbhd", g * n, il, None, info(sp), 2, 1)
+        q, k, vv = _hostkernels.run_qkv(plan, (qkv,), f, kf, None, sp)
+        xq, xk, xv = qkv_split_ref(qkv, n, d)
+        assert_close_to_ref(q, rope_ref(xq, f, "sbhd", il, **kw), xq, d2, dtype, name + " q")
+        assert_close_to_ref(k, rope_ref(xk, kf, "sbhd", il, **kw), xk, d2, dtype, name + " k")
+        np.testing.assert_array_equal(vv, xv)
+    else:
+        dq, dk, dv = (_aligned(lead + (h, d), dtype, rng) for h in (g * n, g, g))
+        plan = _plan.resolve_qkv_backward(info(dq), info(dk), info(dv), info(f), info(kf), None, "sbhd", None, il,
+                                          None, info(sp), 2, 1)
+        got = _hostkernels.run_qkv(plan, (dq, dk, dv), f, kf, None, sp)
+        gq, gk, gv = qkv_split_ref(got, n, d)
+        assert_close_to_ref(gq, rope_ref(dq, f, "sbhd", il, backward=True, **kw), dq, d2, dtype, name + " dq")
+        assert_close_to_ref(gk, rope_ref(dk, kf, "sbhd", il, backward=True, **kw), dk, d2, dtype, name + " dk")
+        np.testing.assert_array_equal(gv, dv)
+    assert name in LAUNCHED, (name, sorted(LAUNCHED))
+
+
+def test_every_instantiation_was_launched():
+    """Runs after the parametrised test above (file order): the CPU suite launched all of them."""
+    missing = sorted(set(_kernels.all_kernels()) - LAUNCHED)
+    assert not missing, f"never launched on the CPU: {missing}"
