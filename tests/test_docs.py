@@ -33,7 +33,8 @@ def test_readme_example_runs(code, tmp_path):
     for mod in re.findall(r"^import ([\w, .]+)", code, re.M)[0].split(","):
         pytest.importorskip(mod.split()[0].split(".")[0])
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+                       env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
