@@ -60,19 +60,17 @@ def cache_dir() -> Path:
     return base
 
 
-def _build_key(*parts) -> str:
-    """Hash of everything a build depends on: the given strings, and the text of every local
-    header and CUDA header it includes (so that an edited shim or another toolkit rebuilds)."""
+def _build_key(parts, include_dirs, extra_files=()) -> str:
+    """Hash of everything a build depends on: ``parts`` (source, compiler, flags), the CUDA headers
+    it includes from ``include_dirs`` and ``extra_files`` (e.g. host_shim.h), so that an edited
+    shim or another toolkit rebuilds."""
     h = hashlib.sha1()
     for p in parts:
         h.update(str(p).encode() + b"\0")
-    shim = _kernels.source_dir() / "host_shim.h"
-    h.update(shim.read_bytes())
-    for d in cuda_include_dirs():
-        for name in HEADERS[:3] + ("cuda_fp16.hpp", "cuda_bf16.hpp"):
-            f = Path(d) / name
-            if f.is_file():
-                h.update(name.encode() + f.read_bytes())
+    files = [Path(d) / n for d in include_dirs for n in HEADERS[:3] + ("cuda_fp16.hpp", "cuda_bf16.hpp")]
+    for f in [*files, *map(Path, extra_files)]:
+        if f.is_file():
+            h.update(str(f.name).encode() + f.read_bytes())
     return h.hexdigest()[:20]
 
 
@@ -86,10 +84,12 @@ def library() -> ctypes.CDLL:
     names = _kernels.all_kernels()
     src = ('#include "host_shim.h"\n' + _kernels.source_for(names))
     cxx = _compiler()
+    inc = cuda_include_dirs()
     flags = ["-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", *_kernels.defines(),
-             f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in cuda_include_dirs()]]
+             f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in inc]]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    so = cache_dir() / f"rope_host_{_build_key(src, cxx, version, *flags)}.so"
+    key = _build_key((src, cxx, version, *flags), inc, [_kernels.source_dir() / "host_shim.h"])
+    so = cache_dir() / f"rope_host_{key}.so"
     if not so.exists():
         with tempfile.TemporaryDirectory() as tmp:
             cpp = Path(tmp) / "rope_host.cpp"
@@ -117,7 +117,7 @@ def nvrtc_cubin(arch: str = "sm_90") -> bytes:
     inc = pf.find_nvidia_header_directory("cudart")
     opts = [f"-arch={arch}", "--std=c++17", f"-I{inc}", "-default-device", *_kernels.defines()]
     version = ".".join(map(str, nvrtc.getVersion()))
-    path = cache_dir() / f"rope_nvrtc_{_build_key(src, version, *opts)}.cubin"
+    path = cache_dir() / f"rope_nvrtc_{_build_key((src, version, *opts), [inc])}.cubin"
     if path.exists():
         return path.read_bytes()
     prog = nvrtc.createProgram(src, "cupy_rope.cu", [], [])

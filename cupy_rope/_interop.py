@@ -91,9 +91,8 @@ def info(a, kind: str | None = None, name: str = "array") -> ArrayInfo | None:
 
 
 def check_writable(name: str, a, kind: str) -> None:
-    """An output the caller passed must be writable in place (NumPy's read-only views are not)."""
-    if kind == "jax":
-        raise ValueError(f"cupy_rope: `{name}`: expected a writable array, got a JAX array (immutable)")
+    """An output the caller passed must be writable in place (NumPy's read-only views are not;
+    JAX arrays never reach here: the API rejects ``out`` for them first)."""
     if kind in ("numpy", "cupy") and not getattr(a.flags, "writeable", True):
         raise ValueError(f"cupy_rope: `{name}`: expected a writable array, got a read-only {kind} array")
 

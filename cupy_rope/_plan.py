@@ -582,10 +582,9 @@ def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k
         if split is None:
             raise _err("split", "(q_size, k_size, v_size) when there are no KV groups (g = 0): the "
                        "gradients' shapes do not define the packed width", "None")
-        q_size, k_size, v_size = check_split(split)
-        n, d2 = qkv_heads(split, None, 0, q_size + k_size + v_size, "dqkv")
+        n, d2 = qkv_heads(split, None, 0, sum(check_split(split)), "dqkv")
         if d2 != d:
-            raise _err("split", f"k_size = v_size = the head dim of `dk` ({d})", repr((q_size, k_size, v_size)))
+            raise _err("split", f"k_size = v_size = the head dim of `dk` ({d})", repr(tuple(split)))
     else:
         if dq.shape[-2] % groups:
             raise _err("dq", f"a head count that is a multiple of the groups g = {groups}",

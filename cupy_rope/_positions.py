@@ -20,10 +20,12 @@ def cp_position(xp, j, L, cp_size: int, cp_rank: int):
     return xp.where(j < c, j + cp_rank * c, (2 * cp_size - 1 - cp_rank) * c + (j - c))
 
 
-def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, start_positions=None):
+def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, start_positions=None,
+                    with_seq: bool = False):
     """Positions of every token and whether the token belongs to a sequence.
 
-    Returns ``(p, in_seq)`` of shape ``lead_shape`` ((s, b), (b, s) or (t,)), int64 / bool.
+    Returns ``(p, in_seq)`` of shape ``lead_shape`` ((s, b), (b, s) or (t,)), int64 / bool, and
+    with ``with_seq`` also each token's sequence index (batch row or packed sequence).
     ``p`` is not yet checked against the table length (see :func:`table_mask`).
     """
     i64 = np.int64 if xp is np else xp.asarray(0).dtype  # JAX: int64 only with x64 enabled
@@ -31,7 +33,8 @@ def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, star
         (t,) = lead_shape
         rows = xp.arange(t, dtype=i64)
         if pos.nseq == 0:
-            return xp.zeros((t,), i64), xp.zeros((t,), bool)
+            none = (xp.zeros((t,), i64), xp.zeros((t,), bool))
+            return none + (xp.zeros((t,), i64),) if with_seq else none
         cu = xp.asarray(cu_seqlens).astype(i64)
         starts = cu[:-1] // pos.cp_size
         ends = cu[1:] // pos.cp_size
@@ -52,7 +55,7 @@ def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, star
     p = cp_position(xp, j, L, pos.cp_size, pos.cp_rank)
     if start_positions is not None:
         p = p + xp.asarray(start_positions).astype(i64)[seq]
-    return p, in_seq
+    return (p, in_seq, seq) if with_seq else (p, in_seq)
 
 
 def table_mask(xp, p, in_seq, rows: int):
@@ -101,9 +104,9 @@ def check_index_contents(pos: Positions, lead_shape: tuple, tables: dict, cu_seq
             i = int(bad[0])
             raise ValueError(f"cupy_rope: `start_positions`: expected values >= 0, got "
                              f"start_positions[{i}] = {sp[i]}")
-    p, in_seq = token_positions(np, pos, lead_shape, cu_seqlens, start_positions)
+    p, in_seq, seq = token_positions(np, pos, lead_shape, cu_seqlens, start_positions, with_seq=True)
     # a start position alone past the table also catches positions that wrapped around 2^63
-    start = None if sp is None else _per_token(pos, lead_shape, cu_seqlens, sp)
+    start = None if sp is None or not sp.size else sp[seq]
     for name, rows in tables.items():
         over = in_seq & ((p >= rows) | (p < 0))
         if start is not None:
@@ -115,16 +118,3 @@ def check_index_contents(pos: Positions, lead_shape: tuple, tables: dict, cu_seq
                              f"`start_positions`/`cu_seqlens` give (token {idx} is at {where}), got "
                              f"{rows} rows")
 
-
-def _per_token(pos: Positions, lead_shape: tuple, cu_seqlens, sp):
-    """The start position of each token's sequence (int64, ``lead_shape``)."""
-    if pos.layout == "thd":
-        cu = np.asarray(cu_seqlens).astype(np.int64)
-        starts = cu[:-1] // pos.cp_size
-        seq = np.clip(np.searchsorted(starts, np.arange(lead_shape[0]), side="right") - 1, 0,
-                      max(pos.nseq - 1, 0))
-        return sp[seq] if pos.nseq else np.zeros(lead_shape, np.int64)
-    b_axis = 1 if pos.layout == "sbhd" else 0
-    shape = [1, 1]
-    shape[b_axis] = -1
-    return np.broadcast_to(sp.reshape(shape), lead_shape)

@@ -236,16 +236,26 @@ def test_numpy_backend_always_checks_cu_seqlens(cu, cp, words, entry):
     assert (out == 5.0).all()
 
 
-def test_host_build_key_covers_the_shim_and_flags(tmp_path, monkeypatch):
-    """A stale host library cannot be reused: the key changes with host_shim.h and the flags."""
+def test_host_build_key_covers_the_shim_and_flags(tmp_path):
+    """A stale host library cannot be reused: the key changes with host_shim.h, the flags and the
+    CUDA headers."""
+    import os
     import shutil
 
     from cupy_rope import _kernels
 
-    k1 = _hostkernels._build_key("src", "-O1")
-    assert _hostkernels._build_key("src", "-O2") != k1
+    inc = _hostkernels.cuda_include_dirs()
+    shim = _kernels.source_dir() / "host_shim.h"
+    k1 = _hostkernels._build_key(("src", "-O1"), inc, [shim])
+    assert _hostkernels._build_key(("src", "-O2"), inc, [shim]) != k1
     d = tmp_path / "kernels_cu"
     shutil.copytree(_kernels.source_dir(), d)
     (d / "host_shim.h").write_text((d / "host_shim.h").read_text().replace("std::sin(a)", "0.0f"))
-    monkeypatch.setattr(_kernels, "source_dir", lambda: d)
-    assert _hostkernels._build_key("src", "-O1") != k1
+    assert _hostkernels._build_key(("src", "-O1"), inc, [d / "host_shim.h"]) != k1
+    hdr = tmp_path / "inc"
+    (hdr / "crt").mkdir(parents=True)
+    for name in ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h", "cuda_fp16.hpp", "cuda_bf16.hpp"):
+        shutil.copy(os.path.join(inc[0], name), hdr / name)
+    assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) == k1  # same headers, same key
+    (hdr / "cuda_bf16.h").write_text("// another toolkit\n")
+    assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) != k1
