@@ -15,16 +15,20 @@ GRID = list(itertools.product(("sbhd", "bshd", "thd"), (1, 2, 8), (1, 4, 8), (64
 
 
 def qkv_case(i, layout, g, n, d):
+    """Case ``i`` of the grid: every option drawn independently from the case's own generator
+    (dtype, rotary width, interleaving, cp, start positions and their dtype, table kinds and
+    shapes, whether k shares q's table, the input's stride pattern)."""
     rng = np.random.default_rng(500 + i)
-    dtype = ("float32", "float16", "bfloat16")[i % 3]
-    d2 = d if i % 2 else d // 2
-    il = bool((i // 2) % 2)
-    cp_size, cp_rank = ((1, 0), (2, 1), (4, 3))[i % 3]
+    pick = lambda options: options[int(rng.integers(0, len(options)))]  # noqa: E731
+    dtype = pick(("float32", "float16", "bfloat16"))
+    d2 = pick((d, d // 2, d - 2 if d > 2 else d))
+    il = bool(pick((False, True)))
+    cp_size, cp_rank = pick(((1, 0), (2, 1), (2, 0), (4, 3), (4, 1)))
     kw = dict(layout=layout, interleaved=il, cp_size=cp_size, cp_rank=cp_rank)
     if layout == "thd":
         cu, t = make_cu_seqlens(rng, cp_size, nseq=3, max_len=8)
         lead = (t,)
-        kw["cu_seqlens"] = cu.astype(np.int32)
+        kw["cu_seqlens"] = cu.astype(pick((np.int32, np.int64)))
         nseq = 3
         rows = int(np.diff(cu).max())
     else:
@@ -32,19 +36,20 @@ def qkv_case(i, layout, g, n, d):
         lead = (s, 2) if layout == "sbhd" else (2, s)
         nseq = 2
         rows = s * cp_size
-    if i % 4 != 3:
-        kw["start_positions"] = rng.integers(0, 4, nseq).astype(np.int64 if i % 2 else np.int32)
-        rows += 4
+    if pick((True, True, False)):
+        kw["start_positions"] = rng.integers(0, 4, nseq).astype(pick((np.int32, np.int64)))
+        rows += 4 - pick((0, 0, 2))  # sometimes too short: tokens past the table are copied
+
     def table(shape):
-        if i % 7 in (1, 4, 5):  # standard-looking: both angles of every pair equal
+        if pick((True, False)):  # standard-looking: both angles of every pair equal
             half = rng.uniform(-10, 10, shape[:-1] + (d2 // 2,))
             t = np.repeat(half, 2, axis=-1) if il else np.concatenate([half, half], -1)
             return t.astype(np.float32)
         return rng.uniform(-10, 10, shape).astype(np.float32)
 
-    qf = table((rows, 1, 1, d2))
-    kf = qf if i % 5 == 0 else table((rows + 1, d2))
-    mode = ("contiguous", "permuted", "offset")[i % 3]
+    qf = table((rows, 1, 1, d2) if pick((True, False)) else (rows, d2))
+    kf = qf if pick((True, False)) else table((rows + 1, d2) if pick((True, False)) else (rows + 1, 1, 1, d2))
+    mode = pick(("contiguous", "permuted", "offset", "channel_stride"))
     qkv = strided(lead + (g, (n + 2) * d), dtype, rng, mode)
     return dtype, qkv, qf, kf, kw
 
@@ -84,9 +89,8 @@ def test_qkv(i, layout, g, n, d, kernel):
     # backward: strided / stride-0 gradients
     rng = np.random.default_rng(900 + i)
     lead = qkv.shape[:-2]
-    dq = strided(lead + (g * n, d), dtype, rng, ("contiguous", "zero_stride", "channel_stride")[i % 3])
-    dk = strided(lead + (g, d), dtype, rng, ("permuted", "contiguous", "zero_stride")[i % 3])
-    dv = strided(lead + (g, d), dtype, rng, "zero_stride" if i % 2 else "offset")
+    modes = ("contiguous", "zero_stride", "channel_stride", "permuted", "offset")
+    dq, dk, dv = (strided(lead + (h, d), dtype, rng, modes[int(rng.integers(0, 5))]) for h in (g * n, g, g))
     gq = rope_ref(dq, qf, backward=True, **pos_kw)
     gk = rope_ref(dk, kf, backward=True, **pos_kw)
     want = np.concatenate([gq.reshape(lead + (g, n * d)), gk, dv.astype(np.float64)], axis=-1)

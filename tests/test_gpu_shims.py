@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from reference import assert_close_to_ref, rope_ref
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -93,10 +93,17 @@ def test_jax_gpu_jit_grad_vmap():
                             jnp.dtype(dt).name)
     # top-level API with a JAX GPU array
     assert isinstance(cupy_rope.apply_rope(x, f), jax.Array)
-    q, k, v = jax.jit(lambda a: crj.apply_qkv_rope(a, f, f, num_q_heads=8))(jnp.ones((32, 2, 2, 6 * 64)))
-    assert q.shape == (32, 2, 8, 64)
-    gq = jax.grad(lambda a: sum(t.sum() for t in crj.apply_qkv_rope(a, f, f, num_q_heads=8)))(jnp.ones((32, 2, 2, 6 * 64)))
-    assert gq.shape == (32, 2, 2, 384)
+    qkv_n = rng.uniform(-1, 1, (32, 2, 2, 6 * 64)).astype(np.float32)
+    q, k, v = jax.jit(lambda a: crj.apply_qkv_rope(a, f, f, num_q_heads=8))(jnp.asarray(qkv_n))
+    xq, xk, xv = qkv_split_ref(qkv_n, 4, 64)
+    assert_close_to_ref(np.asarray(q), rope_ref(xq, fn_), xq, 64, "float32", "jax q")
+    assert_close_to_ref(np.asarray(k), rope_ref(xk, fn_), xk, 64, "float32", "jax k")
+    np.testing.assert_array_equal(np.asarray(v), xv)
+    wq = rng.uniform(-1, 1, q.shape).astype(np.float32)
+    gq = jax.grad(lambda a: (crj.apply_qkv_rope(a, f, f, num_q_heads=8)[0] * wq).sum())(jnp.asarray(qkv_n))
+    dq, dk, dv = qkv_split_ref(np.asarray(gq), 4, 64)
+    assert_close_to_ref(dq, rope_ref(wq, fn_, backward=True), wq, 64, "float32", "jax dq")
+    assert not np.asarray(dk).any() and not np.asarray(dv).any()
 
 
 def test_te_dropin_cuda_matches_reference():
@@ -114,7 +121,8 @@ def test_te_dropin_cuda_matches_reference():
 
 
 def test_train_attention_block_matches_pure_torch():
-    """A tiny attention block trained a few steps: the shim's losses track a pure-torch RoPE."""
+    """A tiny float32 attention block trained a few steps: the shim's losses and final weights
+    match a pure-torch RoPE to float32 rounding (both compute the rotation in float32)."""
     import torch
 
     import cupy_rope.torch as crt
@@ -129,11 +137,11 @@ def test_train_attention_block_matches_pure_torch():
     def run(rope_fn):
         torch.manual_seed(0)
         s, b, h, d = 64, 4, 4, 32
-        lin = torch.nn.Linear(h * d, 3 * h * d).cuda().to(torch.bfloat16)
-        out = torch.nn.Linear(h * d, h * d).cuda().to(torch.bfloat16)
+        lin = torch.nn.Linear(h * d, 3 * h * d).cuda()
+        out = torch.nn.Linear(h * d, h * d).cuda()
         opt = torch.optim.SGD(list(lin.parameters()) + list(out.parameters()), lr=0.05)
         freqs = torch.from_numpy(cupy_rope.rope_freqs(d, s)).cuda()
-        data = torch.randn(s, b, h * d, device="cuda", dtype=torch.bfloat16)
+        data = torch.randn(s, b, h * d, device="cuda")
         losses = []
         for _ in range(5):
             qkv = lin(data).view(s, b, 3, h, d)
@@ -145,8 +153,14 @@ def test_train_attention_block_matches_pure_torch():
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        return losses
+        return losses, lin.weight.detach().cpu().numpy()
 
-    ours = run(lambda x, f: crt.apply_rope(x, f))
-    ref = run(torch_rope)
-    np.testing.assert_allclose(ours, ref, rtol=2e-2)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # plain float32 matrix products in both runs
+    try:
+        ours, w_ours = run(lambda x, f: crt.apply_rope(x, f))
+        ref, w_ref = run(torch_rope)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    np.testing.assert_allclose(ours, ref, rtol=1e-4)
+    np.testing.assert_allclose(w_ours, w_ref, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+import cupy_rope
 from cupy_rope import _hostkernels, _kernels, _plan
 from cupy_rope._interop import info
 from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_ref
@@ -42,9 +43,9 @@ def _aligned(shape, dtype, rng):
     return out
 
 
-@pytest.mark.parametrize("tail", [2, 1], ids=["tail2v", "tail1v"])
-@pytest.mark.parametrize("name", _kernels.all_kernels())
-def test_instantiation_runs_and_is_right(name, tail):
+def _run(name, tail, fw):
+    """One call that the planner maps to kernel ``name``: on the CPU through the host build and the
+    plan (``fw = "host"``), on the GPU through the public API with CuPy arrays (``"cupy"``)."""
     kind, dtype, v, il, bw = _parse(name)
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
@@ -53,39 +54,64 @@ def test_instantiation_runs_and_is_right(name, tail):
     d2, d = 2 * h2, 2 * h2 + tail * v
     f = rng.uniform(-40, 40, (10, d2)).astype(np.float32)
     sp = np.array([2, 0, 1], np.int32)
+    kf = rng.uniform(-40, 40, (12, 1, 1, d2)).astype(np.float32)
+    kw = dict(start_positions=sp, cp_size=2, cp_rank=1)
+    if fw == "cupy":
+        from test_gpu import to_dev, to_host
+
+        dev = lambda a: to_dev(a, "cupy")  # noqa: E731
+        host = lambda a: to_host(a, "cupy")  # noqa: E731
+        dkw = dict(kw, start_positions=dev(sp))
+    lead = (4, 3)
     if kind == "rope":
-        x = _aligned((4, 3, 5, d), dtype, rng)
-        plan = _plan.resolve_rope(info(x), info(f), "sbhd", il, None, info(sp), 2, 1, None, bw)
-        base = np.full((5, 4, 3, d), np.nan, x.dtype)  # strided output, poisoned
-        out = _aligned((5, 4, 3, d), dtype, rng)
-        out[...] = base
+        x = _aligned(lead + (5, d), dtype, rng)
+        out = _aligned((5,) + lead + (d,), dtype, rng)
+        out[...] = np.nan  # strided output, poisoned
         out = out.transpose(1, 2, 0, 3)
-        assert plan.launch(info(x), info(out), info(f), None, info(sp), 4)[0] == name
-        y = _hostkernels.run_rope(plan, x, f, None, sp, out=out)
-        ref = rope_ref(x, f, "sbhd", il, start_positions=sp, cp_size=2, cp_rank=1, backward=bw)
+        if fw == "host":
+            plan = _plan.resolve_rope(info(x), info(f), "sbhd", il, None, info(sp), 2, 1, None, bw)
+            assert plan.launch(info(x), info(out), info(f), None, info(sp), 4)[0] == name
+            y = _hostkernels.run_rope(plan, x, f, None, sp, out=out)
+        else:
+            fn = cupy_rope.apply_rope_backward if bw else cupy_rope.apply_rope
+            od = dev(out)
+            assert fn(dev(x), dev(f), "sbhd", interleaved=il, out=od, **dkw) is od
+            y = host(od)
+        ref = rope_ref(x, f, "sbhd", il, backward=bw, **kw)
         assert_close_to_ref(y, ref, x, d2, dtype, name)
         return
     g, n = 2, 3
-    kf = rng.uniform(-40, 40, (12, 1, 1, d2)).astype(np.float32)
-    kw = dict(start_positions=sp, cp_size=2, cp_rank=1)
-    lead = (4, 3)
     if not bw:
         qkv = _aligned(lead + (g, (n + 2) * d), dtype, rng)
-        plan = _plan.resolve_qkv(info(qkv), info(f), info(kf), None, "sbhd", g * n, il, None, info(sp), 2, 1)
-        q, k, vv = _hostkernels.run_qkv(plan, (qkv,), f, kf, None, sp)
+        if fw == "host":
+            plan = _plan.resolve_qkv(info(qkv), info(f), info(kf), None, "sbhd", g * n, il, None, info(sp), 2, 1)
+            q, k, vv = _hostkernels.run_qkv(plan, (qkv,), f, kf, None, sp)
+        else:
+            q, k, vv = (host(t) for t in cupy_rope.apply_qkv_rope(dev(qkv), dev(f), dev(kf), num_q_heads=g * n,
+                                                                  interleaved=il, **dkw))
         xq, xk, xv = qkv_split_ref(qkv, n, d)
         assert_close_to_ref(q, rope_ref(xq, f, "sbhd", il, **kw), xq, d2, dtype, name + " q")
         assert_close_to_ref(k, rope_ref(xk, kf, "sbhd", il, **kw), xk, d2, dtype, name + " k")
         np.testing.assert_array_equal(vv, xv)
     else:
         dq, dk, dv = (_aligned(lead + (h, d), dtype, rng) for h in (g * n, g, g))
-        plan = _plan.resolve_qkv_backward(info(dq), info(dk), info(dv), info(f), info(kf), None, "sbhd", None, il,
-                                          None, info(sp), 2, 1)
-        got = _hostkernels.run_qkv(plan, (dq, dk, dv), f, kf, None, sp)
+        if fw == "host":
+            plan = _plan.resolve_qkv_backward(info(dq), info(dk), info(dv), info(f), info(kf), None, "sbhd", None,
+                                              il, None, info(sp), 2, 1)
+            got = _hostkernels.run_qkv(plan, (dq, dk, dv), f, kf, None, sp)
+        else:
+            got = host(cupy_rope.apply_qkv_rope_backward(dev(dq), dev(dk), dev(dv), dev(f), dev(kf),
+                                                         interleaved=il, **dkw))
         gq, gk, gv = qkv_split_ref(got, n, d)
         assert_close_to_ref(gq, rope_ref(dq, f, "sbhd", il, backward=True, **kw), dq, d2, dtype, name + " dq")
         assert_close_to_ref(gk, rope_ref(dk, kf, "sbhd", il, backward=True, **kw), dk, d2, dtype, name + " dk")
         np.testing.assert_array_equal(gv, dv)
+
+
+@pytest.mark.parametrize("tail", [2, 1], ids=["tail2v", "tail1v"])
+@pytest.mark.parametrize("name", _kernels.all_kernels())
+def test_instantiation_runs_and_is_right(name, tail):
+    _run(name, tail, "host")
     assert name in LAUNCHED, (name, sorted(LAUNCHED))
 
 
@@ -93,3 +119,30 @@ def test_every_instantiation_was_launched():
     """Runs after the parametrised test above (file order): the CPU suite launched all of them."""
     missing = sorted(set(_kernels.all_kernels()) - LAUNCHED)
     assert not missing, f"never launched on the CPU: {missing}"
+
+
+LAUNCHED_GPU = set()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", [2, 1], ids=["tail2v", "tail1v"])
+@pytest.mark.parametrize("name", _kernels.all_kernels())
+def test_instantiation_on_gpu(name, tail, monkeypatch):
+    """The same calls through the public API on CuPy arrays: the GPU launches this kernel."""
+    from cupy_rope import _launch
+
+    orig = _launch.launch
+
+    def launch(kname, *a):
+        LAUNCHED_GPU.add(kname)
+        return orig(kname, *a)
+
+    monkeypatch.setattr(_launch, "launch", launch)
+    _run(name, tail, "cupy")
+    assert name in LAUNCHED_GPU, (name, sorted(LAUNCHED_GPU))
+
+
+@pytest.mark.gpu
+def test_every_instantiation_was_launched_on_gpu():
+    missing = sorted(set(_kernels.all_kernels()) - LAUNCHED_GPU)
+    assert not missing, f"never launched on the GPU: {missing}"

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref
 
 jax = pytest.importorskip("jax")
 
@@ -33,8 +34,12 @@ def test_jax_jit_grad_vmap_cpu():
     g = jax.jit(jax.grad(loss))(x)
     gr = jax.grad(lambda x: (ref_rope(x) ** 2).sum())(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-4, atol=1e-4)
-    yv = jax.vmap(lambda x: crj.apply_rope(x, f, "thd", cu_seqlens=jnp.array([0, 4, 8], jnp.int32)))(x.reshape(2, 8, 3, 48)[:, :, :, :])
-    assert yv.shape == (2, 8, 3, 48)
+    cu = np.array([0, 3, 7], np.int32)  # a padding row at the end
+    xs = x.reshape(2, 8, 3, 48)
+    yv = jax.vmap(lambda t: crj.apply_rope(t, f, "thd", cu_seqlens=jnp.asarray(cu)))(xs)
+    for i in range(2):  # each mapped slice against the float64 reference
+        xi = np.asarray(xs[i])
+        assert_close_to_ref(np.asarray(yv[i]), rope_ref(xi, np.asarray(f), "thd", cu_seqlens=cu), xi, 32, "float32")
     # top-level API with a JAX CPU array returns a JAX array
     y2 = cupy_rope.apply_rope(x, f, start_positions=sp, cp_size=2, cp_rank=1)
     assert isinstance(y2, jax.Array)
@@ -49,9 +54,24 @@ def test_jax_qkv_cpu():
     rng = np.random.default_rng(6)
     f = jnp.asarray(rng.uniform(-5, 5, (8, 1, 1, 32)).astype(np.float32))
     qkv = jnp.asarray(rng.uniform(-1, 1, (8, 1, 2, 5 * 32)).astype(np.float32))
-    q, k, v = jax.jit(lambda a: crj.apply_qkv_rope(a, f, f, num_q_heads=6))(qkv)
-    qn, kn, vn = cupy_rope.apply_qkv_rope(np.asarray(qkv), np.asarray(f), np.asarray(f), num_q_heads=6)
-    np.testing.assert_allclose(np.asarray(q), qn, rtol=1e-6, atol=1e-6)
-    g = jax.grad(lambda a: sum(t.sum() for t in crj.apply_qkv_rope(a, f, f, split=(96, 32, 32))))(qkv)
-    gn = cupy_rope.apply_qkv_rope_backward(np.ones_like(qn), np.ones_like(kn), np.ones_like(vn), np.asarray(f), np.asarray(f))
-    np.testing.assert_allclose(np.asarray(g), gn, rtol=1e-5, atol=1e-5)
+    kf = jnp.asarray(rng.uniform(-5, 5, (9, 32)).astype(np.float32))  # a separate k table
+    sp = np.array([1], np.int32)
+    q, k, v = jax.jit(lambda a: crj.apply_qkv_rope(a, f, kf, num_q_heads=6, start_positions=jnp.asarray(sp)))(qkv)
+    qn = np.asarray(qkv)
+    xq, xk, xv = qkv_split_ref(qn, 3, 32)
+    fq, fk = np.asarray(f), np.asarray(kf)
+    assert_close_to_ref(np.asarray(q), rope_ref(xq, fq, start_positions=sp), xq, 32, "float32", "q")
+    assert_close_to_ref(np.asarray(k), rope_ref(xk, fk, start_positions=sp), xk, 32, "float32", "k")
+    np.testing.assert_array_equal(np.asarray(v), xv)
+    # the VJP of sum(q * wq) + sum(k * wk) + sum(v * wv) is the backward rotation of the weights
+    wq, wk, wv = (rng.uniform(-1, 1, t.shape).astype(np.float32) for t in (q, k, v))
+
+    def loss(a):
+        tq, tk, tv = crj.apply_qkv_rope(a, f, kf, split=(96, 32, 32), start_positions=jnp.asarray(sp))
+        return (tq * wq).sum() + (tk * wk).sum() + (tv * wv).sum()
+
+    g = np.asarray(jax.grad(loss)(qkv))
+    gq, gk, gv = qkv_split_ref(g, 3, 32)
+    assert_close_to_ref(gq, rope_ref(wq, fq, start_positions=sp, backward=True), wq, 32, "float32", "dq")
+    assert_close_to_ref(gk, rope_ref(wk, fk, start_positions=sp, backward=True), wk, 32, "float32", "dk")
+    np.testing.assert_array_equal(gv, wv)
