@@ -101,6 +101,29 @@ def source_for(names) -> str:
     return base_source() + "\n".join(entry_line(n) for n in names) + "\n"
 
 
+@functools.lru_cache(maxsize=None)
+def struct_fields(name: str) -> tuple[str, ...]:
+    """Field names, in order, of the kernel parameter struct ``name`` in the CUDA source: the one
+    definition of the launch ABI (every field is a 64-bit ``i64``; a struct may end with a nested
+    ``PosArgs pos;``, whose fields follow, prefixed ``pos.``). The launch layer packs in this order."""
+    src = re.sub(r"//[^\n]*", "", base_source())
+    m = re.search(r"struct\s+" + name + r"\s*\{(.*?)\};", src, re.S)
+    if not m:
+        raise ValueError(f"cupy_rope: no struct {name!r} in the kernel source")
+    fields: list[str] = []
+    decls = [d.strip() for d in m.group(1).split(";") if d.strip()]
+    for i, decl in enumerate(decls):
+        ctype, names = decl.split(None, 1)
+        names = [n.strip() for n in names.split(",")]
+        if ctype == "i64":
+            fields += names
+        elif ctype == "PosArgs" and i == len(decls) - 1 and len(names) == 1:
+            fields += [f"{names[0]}.{f}" for f in struct_fields("PosArgs")]
+        else:
+            raise ValueError(f"cupy_rope: struct {name}: field {decl!r} is not a 64-bit i64 (the launch ABI)")
+    return tuple(fields)
+
+
 def defines() -> tuple[str, ...]:
     """Extra compiler options for every build of the source (NVRTC and the host build): tuning
     defines from ``CUPY_ROPE_DEFINES``, for benchmarks only (e.g. ``"-DCUPY_ROPE_DEPTH=1;-DCUPY_QKV_MIN_BLOCKS=2"``)."""

@@ -290,25 +290,21 @@ def blocks_for(threads: int) -> int:
 
 
 # ------------------------------------------------------------------------ plans
-ROPE_FIELDS = (
-    "x", "y", "freqs", "n_tok", "n_inner", "xs0", "xs1", "xsh", "xsd", "ys0", "ys1", "ysh", "ysd",
-    "n_heads", "d2", "n_chunks", "n_units", "n_rot_units", "tail_w", "f_rows", "f_srow", "f_scol",
-)
-QKV_FIELDS = (
-    "packed", "q", "k", "v", "q_freqs", "k_freqs", "n_tok", "n_inner",
-    "ps0", "ps1", "psg", "psd", "qs0", "qs1", "qsh", "qsd", "ks0", "ks1", "ksh", "ksd",
-    "vs0", "vs1", "vsh", "vsd", "n_groups", "n_q", "d", "d2", "n_chunks", "n_units", "n_rot_units",
-    "tail_w", "qf_rows", "qf_srow", "qf_scol", "kf_rows", "kf_srow", "kf_scol", "k_same_table",
-)
-POS_FIELDS = ("layout", "seq_len", "nseq", "cu_seqlens", "cu_is64", "cu_stride", "start_positions",
-              "sp_is64", "sp_stride", "cp_size", "cp_rank")
-# 64-bit slot of each address in the packed rope parameters (patched by the launch cache)
-ROPE_PTR_SLOTS = {"x": 0, "y": 1, "freqs": 2,
-                  "cu_seqlens": len(ROPE_FIELDS) + POS_FIELDS.index("cu_seqlens"),
-                  "start_positions": len(ROPE_FIELDS) + POS_FIELDS.index("start_positions")}
-QKV_PTR_SLOTS = {"packed": 0, "q": 1, "k": 2, "v": 3, "q_freqs": 4, "k_freqs": 5,
-                 "cu_seqlens": len(QKV_FIELDS) + POS_FIELDS.index("cu_seqlens"),
-                 "start_positions": len(QKV_FIELDS) + POS_FIELDS.index("start_positions")}
+# The kernel parameter blocks, field by field, read from the CUDA structs (the one definition of
+# the launch ABI: kernels_cu/rope.cu RopeParams, qkv_rope.cu QkvParams, rope_common.cuh PosArgs).
+ROPE_FIELDS = _kernels.struct_fields("RopeParams")
+QKV_FIELDS = _kernels.struct_fields("QkvParams")
+
+
+def _ptr_slots(fields, names) -> dict:
+    """64-bit slot of each address in a packed parameter block (patched by the launch cache)."""
+    slots = {n: fields.index(n) for n in names}
+    slots.update({n: fields.index(f"pos.{n}") for n in ("cu_seqlens", "start_positions")})
+    return slots
+
+
+ROPE_PTR_SLOTS = _ptr_slots(ROPE_FIELDS, ("x", "y", "freqs"))
+QKV_PTR_SLOTS = _ptr_slots(QKV_FIELDS, ("packed", "q", "k", "v", "q_freqs", "k_freqs"))
 
 
 @dataclass
@@ -344,12 +340,13 @@ class RopePlan:
             n_rot_units=n_rot, tail_w=tail_w, f_rows=self.table.rows, f_srow=self.table.srow,
             f_scol=self.table.scol,
         )
-        params = pack(ROPE_FIELDS, vals) + pack_pos(self.pos, cu, sp)
+        params = pack(ROPE_FIELDS, {**vals, **pos_values(self.pos, cu, sp)})
         name = _kernels.kernel_name("rope", self.dtype, vec, self.interleaved, self.backward)
         return name, blocks_for(threads), _kernels.BLOCK, params
 
 
 def pack(fields, vals: dict) -> bytes:
+    """The parameter block: ``vals[f]`` for every field ``f`` in order, as little-endian int64."""
     return struct.pack(f"<{len(fields)}q", *(int(vals[f]) for f in fields))
 
 
@@ -358,13 +355,13 @@ def index_stride(a: ArrayInfo | None) -> int:
     return 1 if a is None or not a.strides else a.strides[0]
 
 
-def pack_pos(pos: Positions, cu: ArrayInfo | None, sp: ArrayInfo | None) -> bytes:
-    return pack(POS_FIELDS, dict(
-        layout=LAYOUTS[pos.layout], seq_len=pos.seq_len, nseq=pos.nseq,
-        cu_seqlens=cu.ptr if cu is not None else 0, cu_is64=pos.cu_is64,
-        cu_stride=index_stride(cu), start_positions=sp.ptr if sp is not None else 0,
-        sp_is64=pos.sp_is64, sp_stride=index_stride(sp),
-        cp_size=pos.cp_size, cp_rank=pos.cp_rank))
+def pos_values(pos: Positions, cu: ArrayInfo | None, sp: ArrayInfo | None) -> dict:
+    """The ``pos.*`` fields of a parameter block (the kernels' PosArgs)."""
+    return {"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
+            "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
+            "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
+            "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,
+            "pos.cp_rank": pos.cp_rank}
 
 
 def check_out(out: ArrayInfo | None, shape: tuple, dtype: str, ref: ArrayInfo, ref_name: str,
@@ -475,7 +472,7 @@ class QkvPlan:
                          f"{pre}sd": st[pre][-1]})
         for pre, t in (("qf", self.q_table), ("kf", self.k_table)):
             vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
-        params = pack(QKV_FIELDS, vals) + pack_pos(self.pos, cu, sp)
+        params = pack(QKV_FIELDS, {**vals, **pos_values(self.pos, cu, sp)})
         name = _kernels.kernel_name("qkv", self.dtype, vec, self.interleaved, self.backward)
         return name, blocks_for(threads), _kernels.BLOCK, params
 

@@ -11,7 +11,8 @@
 
 namespace cupy_rope {
 
-// Field order = cupy_rope/_plan.py QKV_FIELDS (all 64-bit).
+// The launch ABI: cupy_rope reads these fields, in order, from this struct (_kernels.struct_fields);
+// every field is a 64-bit i64, PosArgs last.
 struct QkvParams {
   i64 packed, q, k, v;            // addresses (packed: input fwd / output bwd)
   i64 q_freqs, k_freqs;

@@ -10,7 +10,8 @@
 
 namespace cupy_rope {
 
-// Field order = cupy_rope/_plan.py ROPE_FIELDS (all 64-bit).
+// The launch ABI: cupy_rope reads these fields, in order, from this struct (_kernels.struct_fields);
+// every field is a 64-bit i64, PosArgs last.
 struct RopeParams {
   i64 x, y, freqs;               // addresses
   i64 n_tok, n_inner;            // tokens; token -> (outer, inner) = divmod(token, n_inner)

@@ -6,7 +6,8 @@
 //   * NVRTC alone for sm_90 (CI compiles every instantiation without a GPU),
 //   * g++ with kernels_cu/host_shim.h (CI runs the kernels on the CPU).
 // Every launch takes one parameter struct of 64-bit fields, packed by the Python
-// launch layer (cupy_rope/_launch.py, field order in cupy_rope/_plan.py).
+// launch layer in the order of the struct's fields, which cupy_rope reads from this source
+// (cupy_rope/_kernels.py struct_fields).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -146,3 +146,19 @@ def test_instantiation_on_gpu(name, tail, monkeypatch):
 def test_every_instantiation_was_launched_on_gpu():
     missing = sorted(set(_kernels.all_kernels()) - LAUNCHED_GPU)
     assert not missing, f"never launched on the GPU: {missing}"
+
+
+def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
+    """The launch ABI has one definition: the Python field order is read from the CUDA structs, and
+    anything that is not a 64-bit field is refused."""
+    assert _plan.ROPE_FIELDS[:3] == ("x", "y", "freqs") and _plan.ROPE_FIELDS[-1] == "pos.cp_rank"
+    assert _plan.QKV_FIELDS[-12] == "k_same_table"
+    assert _plan.ROPE_PTR_SLOTS["start_positions"] == _plan.ROPE_FIELDS.index("pos.start_positions")
+    src = "struct Bad {\n  i64 a, b;  // fine\n  int c;\n};\n"
+    monkeypatch.setattr(_kernels, "base_source", lambda: src)
+    _kernels.struct_fields.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="not a 64-bit i64"):
+            _kernels.struct_fields("Bad")
+    finally:
+        _kernels.struct_fields.cache_clear()
