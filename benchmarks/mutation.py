@@ -1,5 +1,6 @@
-"""Mutation run: plant single-operator bugs in ``kernels_cu/`` and check that the CPU suite
-(host build of the kernels) catches each one that still builds.
+"""Mutation run: plant single-operator bugs in ``kernels_cu/`` and in the launch-plan and
+positions code (``cupy_rope/_plan.py``, ``cupy_rope/_positions.py``) and check that the CPU suite
+(NumPy backend and host build of the kernels) catches each one that still builds.
 
     python benchmarks/mutation.py --count 40 --jobs 2 --json mutation.json
 
@@ -25,10 +26,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "kernels_cu"
-FILES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
-TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_host_kernels",
-         "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_safety.py"]
+FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
+         "cupy_rope/_positions.py")
+TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py",
+         "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
+         "tests/test_safety.py", "tests/test_errors.py"]
 SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" < ", " <= "), (" <= ", " < "), (" > ", " >= "),
          (" >= ", " > "), (" == ", " != "), (" != ", " == "), (" && ", " || "), (" || ", " && "),
          ("+= ", "-= "), ("(1)", "(0)"), (" 1;", " 0;"), (" 2 ", " 1 "), ("++k", "k++")]
@@ -38,16 +40,26 @@ def candidates():
     """(file, line number, original, mutated, description) for every possible mutant."""
     out = []
     for f in FILES:
-        lines = (KERNELS / f).read_text().splitlines()
+        lines = (ROOT / f).read_text().splitlines()
+        py = f.endswith(".py")
+        in_doc = False
         for i, line in enumerate(lines):
-            code = line.split("//")[0]
+            if py:  # code only: no docstrings, comments, strings or imports
+                if line.count('"""') % 2:
+                    in_doc = not in_doc
+                    continue
+                code = line.split("#")[0]
+                if in_doc or '"' in code or "'" in code or code.lstrip().startswith(("import", "from", "def ", "@")):
+                    continue
+            else:
+                code = line.split("//")[0]
             s = code.strip()
             if not s or s.startswith(("#", "template", "struct", "typedef", "namespace", "static constexpr")):
                 continue
             for a, b in SWAPS:
                 for m in re.finditer(re.escape(a), code):
                     out.append((f, i, line, line[:m.start()] + b + line[m.end():], f"{a.strip()} -> {b.strip()}"))
-            if s.endswith(";") and not s.startswith(("return", "const", "float", "i64", "int", "bool", "Vec",
+            if not py and s.endswith(";") and not s.startswith(("return", "const", "float", "i64", "int", "bool", "Vec",
                                                      "unsigned", "typedef", "constexpr")) and "(" in s:
                 out.append((f, i, line, "", "statement removed"))
     return out
@@ -56,20 +68,21 @@ def candidates():
 def run_mutant(m, timeout):
     f, i, orig, new, what = m
     with tempfile.TemporaryDirectory() as tmp:
-        kd = Path(tmp) / "kernels_cu"
-        shutil.copytree(KERNELS, kd)
-        lines = (kd / f).read_text().splitlines()
+        root = Path(tmp) / "repo"  # a copy of the package, kernels and tests, one line changed
+        for d in ("cupy_rope", "kernels_cu", "tests", "notebooks"):
+            shutil.copytree(ROOT / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
+        lines = (root / f).read_text().splitlines()
         lines[i] = new
-        (kd / f).write_text("\n".join(lines) + "\n")
-        env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(kd), CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"),
-                   PYTHONPATH=str(ROOT))
+        (root / f).write_text("\n".join(lines) + "\n")
+        env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(root / "kernels_cu"),
+                   CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"), PYTHONPATH=str(root))
         build = subprocess.run([sys.executable, "-c", "from cupy_rope import _hostkernels; _hostkernels.library()"],
-                               env=env, capture_output=True, text=True, cwd=ROOT)
+                               env=env, capture_output=True, text=True, cwd=root)
         if build.returncode:
             return dict(file=f, line=i + 1, what=what, result="unbuilt")
         try:
             r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS], env=env,
-                               capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+                               capture_output=True, text=True, cwd=root, timeout=timeout)
             result = "killed" if r.returncode else "survived"
         except subprocess.TimeoutExpired:
             result = "killed (timeout)"
