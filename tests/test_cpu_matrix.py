@@ -116,3 +116,19 @@ def test_host_kernel_row_chunks(dtype, table, monkeypatch):
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         y = _hostkernels.run_rope(plan, x, f, kw.get("cu_seqlens"), out=out)
         assert_close_to_ref(y, rope_ref(x, f, **kw), x, d2, dtype, f"{layout} {shape}")
+
+
+def test_work_split_ends():
+    """The two ends the `kernel` fixture relies on: one row per thread when the device asks for
+    many threads, all rows in one thread when it asks for few."""
+    import itertools
+
+    for rows, n_tok, sm in itertools.product((1, 3, 32), (1, 7, 4096), (4, 132)):
+        _plan._THREADS_PER_SM, saved = 10**9, _plan._THREADS_PER_SM
+        try:
+            assert _plan.split_work(n_tok, 1, rows, 64, 64, 8, sm)[3] == rows
+            _plan._THREADS_PER_SM = 1
+            n_rot, n_units, _, chunks, threads = _plan.split_work(n_tok, 1, rows, 64, 64, 8, sm)
+            assert chunks == max(1, min(rows, -(-sm // (n_tok * n_units)))) and threads == n_tok * n_units * chunks
+        finally:
+            _plan._THREADS_PER_SM = saved

@@ -259,3 +259,15 @@ def test_host_build_key_covers_the_shim_and_flags(tmp_path):
     assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) == k1  # same headers, same key
     (hdr / "cuda_bf16.h").write_text("// another toolkit\n")
     assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) != k1
+
+
+def test_out_overlapping_a_reversed_input_is_refused():
+    """The overlap check measures negative strides correctly: an ``out`` over the lower half of a
+    reversed input's memory is refused (a wrong extent would let the launch race with its input)."""
+    base = np.zeros(2 * X.size, np.float32)
+    x = base[X.size:].reshape(X.shape)[::-1]
+    x[...] = X
+    out = base[X.size // 2: X.size // 2 + X.size].reshape(X.shape)
+    with pytest.raises(ValueError, match="`out`: expected memory that does not overlap `x`"):
+        cupy_rope.apply_rope(x, F, out=out)
+    np.testing.assert_array_equal(x, X)
