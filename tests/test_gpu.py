@@ -31,7 +31,7 @@ def to_dev(a, fw):
     assert min(st, default=0) >= 0, "negative strides: use the fuzz test"
     front = (a.ctypes.data % 16) // isz  # keep the alignment relative to 16 bytes
     span = 1 + sum((n - 1) * s for n, s in zip(a.shape, st)) if a.size else 1
-    poison = np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).max
+    poison = np.iinfo(a.dtype).max if np.issubdtype(a.dtype, np.integer) else np.nan
     base = np.full(front + span, poison, a.dtype)
     laid = Laid(base, front, a.shape, st, "test")
     if a.size:
