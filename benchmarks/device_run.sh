@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session step: GPU suite, then benchmarks (and tuning variants given as
-# "NAME:ENV=VAL,ENV=VAL" arguments). Output files go to $OUT.
+# "NAME:KEY=VAL,KEY=VAL" arguments, see benchmarks/run.py --tune). Output files go to $OUT.
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CUPY_CACHE_DIR=/tmp/cupy_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -16,6 +16,9 @@ if [[ $MODE == *tests* || $MODE == all ]]; then
 fi
 if [[ $MODE == *bench* || $MODE == all ]]; then
   timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/run.py ${BENCH_ARGS:---quick --no-peers} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tail -32
+fi
+if [[ $MODE == *model* ]]; then
+  timeout ${MODEL_TIMEOUT:-400} python3 benchmarks/model.py --json "$OUT/model.json" ${MODEL_ARGS:-} 2>&1 | grep -v "^model:" | tail -60
 fi
 if [[ $MODE == *main* ]]; then
   timeout 200 python3 -m cupy_rope --json "$OUT/main.json" 2>/dev/null | tee "$OUT/main.log" | tail -9
@@ -33,6 +36,6 @@ fi
 for v in "$@"; do
   name=${v%%:*}; envs=${v#*:}
   echo "== variant $name ($envs)"
-  env $(echo "$envs" | tr ',' ' ') timeout ${VAR_TIMEOUT:-60} python3 benchmarks/run.py --quick --no-peers --rows ${VAR_ROWS:-1,2,4,5,6,9} \
+  timeout ${VAR_TIMEOUT:-60} python3 benchmarks/run.py --quick --no-peers --tune "$envs" --rows ${VAR_ROWS:-1,2,4,5,6,9} \
     --json "$OUT/var_$name.json" 2>&1 | grep "^| [0-9]" | cut -d'|' -f2,3,5,6 | head -10
 done

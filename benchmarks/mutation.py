@@ -26,12 +26,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
+FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py", "cupy_rope/_worksplit.py", "cupy_rope/_abi.py",
          "cupy_rope/_positions.py")
 TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py",
          "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
          "tests/test_cpu_matrix.py::test_work_split_ends",
-         "tests/test_safety.py", "tests/test_errors.py"]
+         "tests/test_safety.py", "tests/test_errors.py", "tests/test_shims_cpu.py"]
 SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" < ", " <= "), (" <= ", " < "), (" > ", " >= "),
          (" >= ", " > "), (" == ", " != "), (" != ", " == "), (" && ", " || "), (" || ", " && "),
          ("+= ", "-= "), ("(1)", "(0)"), (" 1;", " 0;"), (" 2 ", " 1 "), ("++k", "k++")]
@@ -77,7 +77,7 @@ def run_mutant(m, timeout):
         (root / f).write_text("\n".join(lines) + "\n")
         env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(root / "kernels_cu"),
                    CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"), PYTHONPATH=str(root))
-        build = subprocess.run([sys.executable, "-c", "from cupy_rope import _hostkernels; _hostkernels.library()"],
+        build = subprocess.run([sys.executable, "-c", "from cupy_rope._dev import hostkernels; hostkernels.library()"],
                                env=env, capture_output=True, text=True, cwd=root)
         if build.returncode:
             return dict(file=f, line=i + 1, what=what, result="unbuilt")

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from cupy_rope import benchmark as B  # noqa: E402
+from cupy_rope._dev import benchmark as B  # noqa: E402
 
 
 def main():

@@ -10,6 +10,8 @@ Public API::
                start_positions=None, cp_size=1, cp_rank=0, out=None,
                transpose_output_memory=False) -> y
     apply_rope_backward(grad, freqs, layout="sbhd", **same keywords) -> grad_x
+    apply_rope_qk(q, k, freqs, layout="sbhd", *, ..., inplace=False) -> (q_out, k_out)  # one launch
+    apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", ...) -> (grad_q, grad_k)
     apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None, ...)
         -> (q, k, v)
     apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", ...) -> dqkv
@@ -23,9 +25,10 @@ Framework shims: ``cupy_rope.torch`` (custom ops, autograd, torch.compile),
 """
 
 from ._api import (apply_qkv_rope, apply_qkv_rope_backward, apply_rope, apply_rope_backward,
-                   debug_enabled, rope_freqs, set_debug)
+                   apply_rope_qk, apply_rope_qk_backward, debug_enabled, set_debug)
+from ._freqs import rope_freqs
 
 __version__ = "0.1.0"
 
-__all__ = ["apply_rope", "apply_rope_backward", "apply_qkv_rope", "apply_qkv_rope_backward",
+__all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qk_backward", "apply_qkv_rope", "apply_qkv_rope_backward",
            "rope_freqs", "set_debug", "debug_enabled", "__version__"]

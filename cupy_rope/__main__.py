@@ -206,7 +206,7 @@ def main(argv=None):
     ap.add_argument("--layout", choices=["sbhd", "bshd", "thd"], help="check only this layout")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark suite has its own options (bench --help lists them)
-        from cupy_rope import benchmark
+        from cupy_rope._dev import benchmark
 
         try:
             benchmark.main(argv[1:])

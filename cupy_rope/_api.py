@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import struct
 
 import numpy as np
 
@@ -95,26 +94,153 @@ def _check_contents(args: _Args, pos, lead_shape, tables: dict, dev: str):
         check_cu_seqlens(pos, lead_shape[0], args.host("cu_seqlens"))
 
 
+def _jax_ops():
+    from . import _jax_ops
+
+    return _jax_ops
+
+
+# ----------------------------------------------------------------------------- launch cache
+# A repeated call with the same shapes, strides, dtypes, devices, options and address alignment
+# reuses the launch its first call resolved (and validated): per call only the key is built, the
+# outputs allocated (by the caller's framework) and the addresses written into the prepared
+# parameter blocks (cupy_rope._launch.Prepared). Index contents are checked only in debug mode,
+# which bypasses the cache.
+_CACHE: dict = {}
+_CACHE_MAX = 4096
+_KINDS: dict = {}  # array type -> "torch" / "cupy" / None (the exact types the cache serves)
+
+
+def _kind_of_type(t):
+    k = _KINDS.get(t, 0)
+    if k == 0:
+        mod, name = t.__module__, t.__name__
+        k = ("torch" if mod == "torch" and name == "Tensor" else
+             "cupy" if mod.startswith("cupy") and name == "ndarray" else None)
+        _KINDS[t] = k
+    return k
+
+
+def _cache_kind(a):
+    """'torch' (a plain CUDA tensor), 'cupy' or None: the array kinds the launch cache serves."""
+    k = _kind_of_type(type(a))
+    if k == "torch" and not a.is_cuda:
+        return None
+    return k
+
+
+def _descs_torch(arrays, descs, ptrs) -> bool:
+    for a in arrays:
+        if a is None:
+            descs.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "torch" or not a.is_cuda:
+            return False
+        p = a.data_ptr()
+        descs.append((a.shape, a.stride(), a.dtype, a.get_device(), p & 15))
+        ptrs.append(p)
+    return True
+
+
+def _descs_cupy(arrays, descs, ptrs) -> bool:
+    for a in arrays:
+        if a is None:
+            descs.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "cupy":
+            return False
+        p = a.data.ptr
+        descs.append((a.shape, a.strides, a.dtype, a.device.id, p & 15))
+        ptrs.append(p)
+    return True
+
+
+_DESCS = {"torch": _descs_torch, "cupy": _descs_cupy}
+
+
+def _cache_key(kind, head: tuple, opts: tuple, arrays):
+    """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
+    kind, an unhashable option). Options are keyed with their types: only calls whose exact
+    options a first call validated can hit."""
+    descs, ptrs = [], []
+    if not _DESCS[kind](arrays, descs, ptrs):
+        return None, None
+    key = (head, opts, tuple(map(type, opts)), tuple(descs))
+    try:
+        hash(key)
+    except TypeError:
+        return None, None
+    return key, ptrs
+
+
+def _alloc(kind, like, shape, transposed=False):
+    """A new output (and its address) in ``like``'s framework, device and dtype."""
+    return _interop.empty_like(kind, like, shape, transposed)
+
+
+def _cached_call(key, ptrs, arrays, kind):
+    """Run the cached launch of ``key`` (if any): allocate its outputs, patch every address,
+    launch on the caller's current stream. Returns the new outputs, or None on a miss."""
+    entry = _CACHE.get(key)
+    if entry is None:
+        return None
+    prepared, outputs, order = entry
+    results = []
+    for like, shape, transposed, same, align in outputs:
+        y, p = _interop.empty_like(kind, arrays[like], shape, transposed, same)
+        if p & 15 != align:
+            return None  # alignment differs from the cached plan's: take the full path
+        ptrs.append(p)
+        results.append(y)
+    prepared(_interop.current_stream(kind, prepared.device), [ptrs[i] for i in order])
+    return results
+
+
+def _cache_put(key, prepared, outputs, order):
+    """Remember a launch: ``outputs`` = [(index of the array to allocate like, shape, transposed,
+    address % 16)] allocated per call; ``order`` = indices into (key addresses + output
+    addresses) in ``prepared``'s name order."""
+    if key is None or prepared is None:
+        return
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
+                              for i, shape, tr, al in outputs], order)
+
+
+def _same_shape(key, i, shape) -> bool:
+    d = key[-1][i]
+    return d is not None and tuple(d[0]) == tuple(shape)
+
+
+_ROPE_NAMES = ("x", "freqs", "cu_seqlens", "start_positions", "y")
+_QK_NAMES = ("x", "x2", "freqs", "cu_seqlens", "start_positions", "y", "y2")
+_QKV_NAMES = ("packed", "q", "k", "v", "q_freqs", "k_freqs", "cu_seqlens", "start_positions")
+
+
+def _launch_gpu(spec, kind, dev, names):
+    return _launch.launch(spec, _interop.current_stream(kind, dev), dev, names)
+
+
 def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, out,
           transpose_output_memory, backward: bool, x_name: str):
-    if _jax_route(x, out, transpose_output_memory):
-        from . import jax as cj
-
-        fn = cj.apply_rope_backward if backward else cj.apply_rope
+    key = None
+    kind = _cache_kind(x)
+    if kind is None and _jax_route(x, out, transpose_output_memory):
+        fn = _jax_ops().apply_rope_backward if backward else _jax_ops().apply_rope
         return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
-    fast_key = None
-    kind = _quick_kind(x)
     # cached launches skip validation: only for outputs that cannot overlap the input differently
     if kind is not None and not _DEBUG[0] and (out is None or out is x):
-        opts = tuple((type(v), v) for v in ("rope", backward, layout, interleaved, cp_size, cp_rank,
-                                            transpose_output_memory))
-        fast_key, entry, ptrs = _cache_lookup(kind, dict(x=x, freqs=freqs, cu_seqlens=cu_seqlens,
-                                                         start_positions=start_positions, out=out), opts)
-        if entry is not None:
+        arrays = (x, freqs, cu_seqlens, start_positions)
+        key, ptrs = _cache_key(kind, ("rope", backward, out is None),
+                               (layout, interleaved, cp_size, cp_rank, transpose_output_memory), arrays)
+        if key is not None:
             if out is not None:
-                ptrs["y"] = ptrs["out"]
-            res = _cached_launch(kind, entry, ptrs, x)
+                ptrs.append(ptrs[0])
+            res = _cached_call(key, ptrs, arrays, kind)
             if res is not None:
                 return out if out is not None else res[0]
     args = _Args(**{x_name: x}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions,
@@ -132,93 +258,82 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         if out is None and not plan.transpose_output:
             return _interop.from_numpy(np.ascontiguousarray(y), kind)
         if out is None:
-            out = _interop.empty_like(kind, native, plan.shape, True)[0]
+            out = _alloc(kind, native, plan.shape, True)[0]
         _interop.write_into(out, args.kinds["out"] or kind, y)
         return out
-    y = out if out is not None else _interop.empty_like(kind, native, plan.shape, plan.transpose_output)[0]
+    y = out if out is not None else _alloc(kind, native, plan.shape, plan.transpose_output)[0]
     if where == "meta":
         return y
     dev = xi.device[1]
     if xi.size:
         yi = _interop.info(y, args.kinds["out"] if out is not None else kind)
-        name, grid, block, params = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
-                                                args.infos["start_positions"], _launch.sm_count(dev))
-        _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
-        outputs = [] if out is not None else [("y", plan.shape, plan.transpose_output)]
-        _cache_put(fast_key, name, grid, block, params, _plan.ROPE_PTR_SLOTS, outputs)
+        spec = plan.launch(xi, yi, args.infos["freqs"], args.infos["cu_seqlens"],
+                           args.infos["start_positions"], _launch.sm_count(dev))
+        prepared = _launch_gpu(spec, kind, dev, _ROPE_NAMES)
+        outputs = [] if out is not None else [(0, plan.shape, plan.transpose_output, yi.ptr & 15)]
+        _cache_put(key, prepared, outputs, (0, 1, 2, 3, 4))
     return y
 
 
-# ----------------------------------------------------------------------------- launch cache
-# Repeated calls with the same shapes, strides, dtypes, devices, options and pointer alignment
-# reuse the launch resolved (and validated) by the first call and only patch the addresses:
-# the per-call host cost is then a few microseconds (decode-sized calls are host-bound).
-_CACHE: dict = {}
-_CACHE_MAX = 4096
+def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+             inplace, backward: bool, names=("q", "k")):
+    """q and k (same tokens, positions and table) in one launch: grid row 0 runs q, row 1 k."""
+    key = None
+    kind = _cache_kind(q)
+    if kind is None and _jax_route(q, None, False):
+        if inplace is not False:
+            raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
+                             f"immutable), got {inplace!r}")
+        fn = _jax_ops().apply_rope_qk_backward if backward else _jax_ops().apply_rope_qk
+        return fn(q, k, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
+                  start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+    if kind is not None and not _DEBUG[0]:
+        arrays = (q, k, freqs, cu_seqlens, start_positions)
+        key, ptrs = _cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace), arrays)
+        if key is not None:
+            if inplace is True:
+                ptrs += ptrs[:2]
+            res = _cached_call(key, ptrs, arrays, kind)
+            if res is not None:
+                return (q, k) if inplace is True else tuple(res)
+    nq, nk = names
+    args = _Args(**{nq: q, nk: k}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    inf = args.infos
+    inplace = _plan.check_bool("inplace", inplace)
+    if inplace:
+        for n in names:
+            _interop.check_writable(n, args.native[n], args.kinds[n])
+    pq, pk = _plan.resolve_rope_pair(inf[nq], inf[nk], inf["freqs"], layout, interleaved, inf["cu_seqlens"],
+                                     inf["start_positions"], cp_size, cp_rank, inplace, backward, names)
+    where = _device(args, nq)
+    _check_contents(args, pq.pos, tuple(inf[nq].shape[:-2]), {"freqs": pq.table.rows}, where)
+    kind = args.kinds[nq]
+    if where == "cpu":
+        res = []
+        for n, plan in zip(names, (pq, pk)):
+            y = _numpy_backend.rope(np, plan, args.numpy(n), args.numpy("freqs"), args.numpy("cu_seqlens"),
+                                    args.numpy("start_positions"))
+            if inplace:
+                _interop.write_into(args.native[n], args.kinds[n], y)
+                res.append(args.native[n])
+            else:
+                res.append(_interop.from_numpy(np.ascontiguousarray(y), args.kinds[n]))
+        return tuple(res)
+    natives = [args.native[n] for n in names]
+    ys = natives if inplace else [_alloc(kind, a, p.shape)[0] for a, p in zip(natives, (pq, pk))]
+    if where == "meta":
+        return tuple(ys)
+    dev = inf[nq].device[1]
+    if inf[nq].size or inf[nk].size:
+        yis = [_interop.info(y, kind) for y in ys]
+        from ._worksplit import rope_launch
 
-
-def _desc(a, kind):
-    """(layout of the array without its address, address) for the launch-cache key."""
-    if a is None:
-        return None, 0
-    if kind == "torch":
-        p = a.data_ptr()
-        return (tuple(a.shape), a.stride(), a.dtype, a.device, p % 16), p
-    p = a.data.ptr
-    return (a.shape, a.strides, a.dtype, a.device.id, p % 16), p
-
-
-def _quick_kind(a):
-    mod = type(a).__module__
-    if mod.startswith("torch") and type(a).__name__ == "Tensor":
-        return "torch" if a.is_cuda else None
-    if mod.startswith("cupy") and type(a).__name__ == "ndarray":
-        return "cupy"
-    return None
-
-
-def _cache_lookup(kind, arrays: dict, opts):
-    """(key, cached entry or None, addresses by name); key None when not cacheable. The key holds
-    each option with its type, so only calls whose options a first call validated can hit; an
-    unhashable option (a list, say) is not cacheable and goes to validation."""
-    descs, ptrs = [], {}
-    for name, a in arrays.items():
-        if a is not None and _quick_kind(a) != kind:
-            return None, None, None
-        d, ptrs[name] = _desc(a, kind)
-        descs.append(d)
-    key = (kind, opts, tuple(descs))
-    try:
-        return key, _CACHE.get(key), ptrs
-    except TypeError:
-        return None, None, None
-
-
-def _cache_put(key, name, grid, block, params, slots, outputs):
-    """Remember a launch: ``slots`` = {array name: 64-bit slot}, ``outputs`` = [(name, shape, transposed)]."""
-    if key is None:
-        return
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
-    _CACHE[key] = (name, grid, block, params, slots, outputs)
-
-
-def _cached_launch(kind, entry, ptrs, like):
-    """Allocate the outputs, patch every address into the cached parameters, launch."""
-    name, grid, block, params, slots, outputs = entry
-    results = []
-    for oname, shape, transposed in outputs:
-        y, p = _interop.empty_like(kind, like, shape, transposed)
-        if p % 16:
-            return None  # alignment differs from the cached plan's: take the full path
-        ptrs[oname] = p
-        results.append(y)
-    buf = bytearray(params)
-    for nm, slot in slots.items():
-        struct.pack_into("<q", buf, 8 * slot, ptrs.get(nm, 0))
-    dev = like.device.index if kind == "torch" else like.device.id
-    _launch.launch(name, grid, block, bytes(buf), _interop.current_stream(kind, dev), dev)
-    return results
+        spec = rope_launch([pq, pk], [(inf[nq], yis[0]), (inf[nk], yis[1])], inf["freqs"], inf["cu_seqlens"],
+                           inf["start_positions"], _launch.sm_count(dev))
+        prepared = _launch_gpu(spec, kind, dev, _QK_NAMES)
+        outputs = [] if inplace else [(i, p.shape, False, yi.ptr & 15) for i, p, yi in zip((0, 1), (pq, pk), yis)]
+        _cache_put(key, prepared, outputs, tuple(range(7)))
+    return tuple(ys)
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
@@ -278,31 +393,73 @@ def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seq
                  out, transpose_output_memory, backward=True, x_name="grad")
 
 
+def apply_rope_qk(q, k, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
+                  start_positions=None, cp_size=1, cp_rank=0, inplace=False):
+    """Rotate queries and keys with the same positions in one kernel launch.
+
+    Equivalent to ``(apply_rope(q, freqs, ...), apply_rope(k, freqs, ...))`` with the same
+    keywords, at the cost of one call: models rotate q and k at every layer.
+
+    Args:
+        q: ``[s, b, hq, dq]`` / ``[b, s, hq, dq]`` / ``[t, hq, dq]`` (per ``layout``), any strides,
+            e.g. a view into a fused projection ``qkv[:, :, 0]``.
+        k: the same token dimensions and dtype as ``q``; its own head count ``hk`` and head dim
+            ``dk`` (``d2 <= min(dq, dk)``), any strides.
+        freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank: as for
+            :func:`apply_rope`, shared by q and k.
+        inplace: write the results into ``q`` and ``k`` themselves (they must share no element;
+            views of one fused buffer are fine). Not for JAX arrays.
+
+    Returns:
+        ``(q_out, k_out)``: new contiguous arrays (or ``q``, ``k`` when ``inplace``), same type,
+        device and dtype. Runs on the caller's current stream without synchronising.
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> f = cupy_rope.rope_freqs(64, 16)
+        >>> qkv = np.random.rand(2, 16, 3, 4, 64).astype(np.float32)     # [b, s, 3, h, d]
+        >>> q, k = cupy_rope.apply_rope_qk(qkv[:, :, 0], qkv[:, :, 1], f, "bshd")
+        >>> q.shape, k.shape
+        ((2, 16, 4, 64), (2, 16, 4, 64))
+    """
+    return _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                    inplace, backward=False)
+
+
+def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
+                           start_positions=None, cp_size=1, cp_rank=0, inplace=False):
+    """Gradient of :func:`apply_rope_qk`: ``(dq, dk)`` (dL/d outputs, any strides) ->
+    ``(dL/dq, dL/dk)`` in one launch; keywords as the forward's.
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> f = cupy_rope.rope_freqs(64, 8)
+        >>> gq, gk = cupy_rope.apply_rope_qk_backward(np.ones((8, 1, 4, 64), np.float32),
+        ...                                           np.ones((8, 1, 2, 64), np.float32), f)
+        >>> gq.shape, gk.shape
+        ((8, 1, 4, 64), (8, 1, 2, 64))
+    """
+    return _rope_qk(dq, dk, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                    inplace, backward=True, names=("dq", "dk"))
+
+
 def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved, cu_seqlens,
          start_positions, cp_size, cp_rank, backward: bool):
     first = next(iter(arrays.values()))
-    if _jax_route(first):
-        from . import jax as cj
-
-        fn = cj.apply_qkv_rope_backward if backward else cj.apply_qkv_rope
+    key = None
+    kind = _cache_kind(first)
+    if kind is None and _jax_route(first):
+        fn = _jax_ops().apply_qkv_rope_backward if backward else _jax_ops().apply_qkv_rope
         return fn(*arrays.values(), q_freqs, k_freqs, split, layout, num_q_heads=num_q_heads,
                   interleaved=interleaved, cu_seqlens=cu_seqlens, start_positions=start_positions,
                   cp_size=cp_size, cp_rank=cp_rank)
-    fast_key = None
-    kind = _quick_kind(first)
     if kind is not None and not _DEBUG[0]:
-        opts = tuple((type(v), v) for v in ("qkv", backward, layout, interleaved, cp_size, cp_rank,
-                                            num_q_heads))
-        opts += (tuple(split) if split is not None else None,)
-        named = dict(arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
-                     start_positions=start_positions)
-        fast_key, entry, ptrs = _cache_lookup(kind, named, opts + ((q_freqs is k_freqs),))
-        if entry is not None:
-            if backward:
-                ptrs.update(q=ptrs["dq"], k=ptrs["dk"], v=ptrs["dv"])
-            else:
-                ptrs["packed"] = ptrs["qkv"]
-            res = _cached_launch(kind, entry, ptrs, first)
+        split_key = tuple(split) if isinstance(split, (tuple, list)) else split
+        named = (*arrays.values(), q_freqs, k_freqs, cu_seqlens, start_positions)
+        key, ptrs = _cache_key(kind, ("qkv", backward, q_freqs is k_freqs),
+                               (layout, interleaved, cp_size, cp_rank, num_q_heads, split_key), named)
+        if key is not None:
+            res = _cached_call(key, ptrs, named, kind)
             if res is not None:
                 return res[0] if backward else tuple(res)
     args = _Args(**arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
@@ -330,26 +487,28 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     dev = ri.device[1]
     native = args.native[ref]
     if backward:
-        packed = _interop.empty_like(kind, native, plan.packed_shape)[0]
+        packed = _alloc(kind, native, plan.packed_shape)[0]
         pi = _interop.info(packed, kind)
         qi, ki, vi = inf["dq"], inf["dk"], inf["dv"]
         result = packed
     else:
-        q, k, v = (_interop.empty_like(kind, native, shape)[0]
+        q, k, v = (_alloc(kind, native, shape)[0]
                    for shape in (plan.q_shape, plan.kv_shape, plan.kv_shape))
         pi, qi, ki, vi = ri, _interop.info(q, kind), _interop.info(k, kind), _interop.info(v, kind)
         result = (q, k, v)
     if where == "meta":
         return result
     if pi.size:
-        name, grid, block, params = plan.launch(pi, qi, ki, vi, inf["q_freqs"], inf["k_freqs"],
-                                                inf["cu_seqlens"], inf["start_positions"],
-                                                _launch.sm_count(dev))
-        _launch.launch(name, grid, block, params, _interop.current_stream(kind, dev), dev)
-        outputs = [("packed", plan.packed_shape, False)] if backward else \
-            [("q", plan.q_shape, False), ("k", plan.kv_shape, False), ("v", plan.kv_shape, False)]
-        if all(_interop.info(r, kind).ptr % 16 == 0 for r in ((result,) if backward else result)):
-            _cache_put(fast_key, name, grid, block, params, _plan.QKV_PTR_SLOTS, outputs)
+        spec = plan.launch(pi, qi, ki, vi, inf["q_freqs"], inf["k_freqs"], inf["cu_seqlens"],
+                           inf["start_positions"], _launch.sm_count(dev))
+        prepared = _launch_gpu(spec, kind, dev, _QKV_NAMES)
+        if backward:
+            outputs, order = [(0, plan.packed_shape, False, pi.ptr & 15)], (7, 0, 1, 2, 3, 4, 5, 6)
+        else:
+            outputs = [(0, shape, False, a.ptr & 15) for shape, a in
+                       ((plan.q_shape, qi), (plan.kv_shape, ki), (plan.kv_shape, vi))]
+            order = (0, 5, 6, 7, 1, 2, 3, 4)
+        _cache_put(key, prepared, outputs, order)
     return result
 
 
@@ -399,75 +558,3 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
     """
     return _qkv({"dq": dq, "dk": dk, "dv": dv}, q_freqs, k_freqs, split, layout, num_q_heads,
                 interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
-
-
-def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleaved=False,
-               seq_len_interpolation_factor=None, pretrained_max_position_embeddings=None, offset=0,
-               like=None):
-    """TransformerEngine's standard angle table (spec section 2), in float32 throughout.
-
-    Returns ``[max_seq_len, 1, 1, d2]`` float32 with ``d2 = 2*ceil(dim'/2)``,
-    ``dim' = int(dim * rotary_percent)`` (when ``rotary_percent < 1``), in the array library of
-    ``like`` (NumPy when ``None``). With a torch tensor as ``like`` the table is built with TE's
-    own torch operations on that tensor's device, so it is bit-identical to TE's table there;
-    otherwise NumPy builds it with a correctly rounded float32 ``pow`` (a platform's ``powf``
-    may differ in the last bit of a few ``inv_freq`` entries) and CuPy/JAX get a copy on
-    ``like``'s device.
-
-    Example:
-        >>> import cupy_rope
-        >>> cupy_rope.rope_freqs(128, 4096, base=500000.0).shape
-        (4096, 1, 1, 128)
-    """
-    dim = _plan.check_int("dim", dim, lo=1)
-    max_seq_len = _plan.check_int("max_seq_len", max_seq_len, lo=0)
-    interleaved = _plan.check_bool("interleaved", interleaved)
-    rp = float(rotary_percent)
-    if not 0.0 < rp <= 1.0:
-        raise ValueError(f"cupy_rope: `rotary_percent`: expected 0 < rotary_percent <= 1, got {rotary_percent}")
-    dimp = int(dim * rp) if rp < 1.0 else dim
-    if dimp < 1:
-        raise ValueError(f"cupy_rope: `rotary_percent`: expected int(dim * rotary_percent) >= 1, got {dimp}")
-    kind = _interop.kind_of(like) if like is not None else "numpy"
-    if kind == "torch":  # TE's own ops on the tensor's device: bit-identical to TE's table there
-        import torch
-
-        xp, f32 = torch, torch.float32
-
-        def arange(*a):
-            return torch.arange(*a, dtype=f32, device=like.device)
-    else:
-        xp, f32 = np, np.float32
-
-        def arange(*a):
-            return np.arange(*a, dtype=f32)
-    # spec section 2, in float32 throughout (Python scalars act in float32, as in TE)
-    exps = arange(0, dimp, 2) / dimp
-    if kind == "torch":
-        inv_freq = 1.0 / (float(base) ** exps)
-    else:  # powf correctly rounded (through float64), then the float32 reciprocal
-        inv_freq = f32(1.0) / (np.float64(f32(base)) ** exps.astype(np.float64)).astype(f32)
-    seq = arange(max_seq_len) + offset
-    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
-    if P is not None and F is not None:
-        scale = 1 / (max_seq_len / P) if max_seq_len > P * F else 1 / F
-        seq = seq * (scale if kind == "torch" else f32(scale))
-    f = xp.outer(seq, inv_freq)
-    if interleaved:
-        emb = xp.stack([f, f], -1).reshape(max_seq_len, -1)
-    else:
-        emb = xp.concatenate([f, f], -1)
-    emb = emb.reshape(max_seq_len, 1, 1, emb.shape[-1])
-    if kind == "torch":
-        return emb.contiguous()
-    emb = np.ascontiguousarray(emb)
-    if kind == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(like.device.id):
-            return cupy.asarray(emb)
-    if kind == "jax":
-        import jax
-
-        return jax.device_put(emb, next(iter(like.devices())))
-    return emb

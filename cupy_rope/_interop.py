@@ -163,17 +163,22 @@ def write_into(out, kind: str, y: np.ndarray) -> None:
 
 
 # --------------------------------------------------------------------- GPU allocation, streams
-def empty_like(kind: str, like, shape: tuple, transposed: bool = False):
+def empty_like(kind: str, like, shape: tuple, transposed: bool = False, same: bool = False):
     """(new array, its address): ``like``'s dtype and device, allocated by the caller's framework
     (torch's caching allocator, CuPy's pool, NumPy); contiguous, or for ``transposed`` an sbhd
-    view over bshd-ordered memory (``transpose_output_memory``). torch ``meta`` tensors give meta
-    tensors (address 0)."""
-    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
+    view over bshd-ordered memory (``transpose_output_memory``). ``same``: ``shape`` is
+    ``like``'s own (the cheapest allocation). torch ``meta`` tensors give meta tensors (address 0)."""
     if kind == "torch":
         import torch
 
-        y = torch.empty(alloc, dtype=like.dtype, device=like.device)
-        return (y.permute(1, 0, 2, 3) if transposed else y), (y.data_ptr() if y.device.type != "meta" else 0)
+        if same and not transposed:
+            y = torch.empty_like(like, memory_format=torch.contiguous_format)
+        else:
+            alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
+            y = torch.empty(alloc, dtype=like.dtype, device=like.device)
+        p = y.data_ptr() if y.device.type != "meta" else 0
+        return (y.permute(1, 0, 2, 3) if transposed else y), p
+    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
     if kind == "numpy":
         y = np.empty(alloc, dtype=like.dtype)
         return (y.transpose(1, 0, 2, 3) if transposed else y), y.__array_interface__["data"][0]
@@ -190,15 +195,25 @@ def empty_like(kind: str, like, shape: tuple, transposed: bool = False):
     return (y.transpose(1, 0, 2, 3) if transposed else y), y.data.ptr
 
 
-def current_stream(kind: str, device_index: int) -> int:
-    """The caller's current stream handle on ``device_index``."""
+_STREAM_FNS: dict = {}
+
+
+def _stream_fn(kind: str):
     if kind == "torch":
         import torch
 
-        try:
-            return torch._C._cuda_getCurrentRawStream(device_index)
-        except AttributeError:  # pragma: no cover - private API moved
-            return torch.cuda.current_stream(device_index).cuda_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw or (lambda dev: torch.cuda.current_stream(dev).cuda_stream)  # the private API moved
     import cupy
 
-    return cupy.cuda.get_current_stream(device_index).ptr
+    get = cupy.cuda.get_current_stream
+    return lambda dev: get(dev).ptr
+
+
+def current_stream(kind: str, device_index: int) -> int:
+    """The caller's current stream handle on ``device_index`` (queried on every call: never cached,
+    so launches follow ``torch.cuda.stream(...)``, CuPy's ``with stream:`` and graph capture)."""
+    fn = _STREAM_FNS.get(kind)
+    if fn is None:
+        fn = _STREAM_FNS[kind] = _stream_fn(kind)
+    return fn(device_index)

@@ -24,6 +24,12 @@ SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 BLOCK = 256  # threads per block; must equal CUPY_ROPE_BLOCK's default in rope_common.cuh
 
 
+def param_blocks(name: str) -> int:
+    """Parameter blocks kernel ``name`` takes by value: the rope kernels two (one per grid row,
+    ``CUPY_ROPE_ENTRY_PAIR``), the QKV kernels one."""
+    return 2 if name.startswith("rope_") else 1
+
+
 def vector_widths(dtype: str) -> tuple[int, ...]:
     """Elements per vector access for ``dtype``: powers of two up to 16 bytes."""
     size = CTYPES[dtype][1]
@@ -124,10 +130,14 @@ def struct_fields(name: str) -> tuple[str, ...]:
     return tuple(fields)
 
 
+# Extra compiler options for every build of the source (NVRTC and the host build): tuning defines
+# set by the benchmark harness in its own process only (benchmarks/run.py --tune DEFINES=...).
+DEFINES: tuple[str, ...] = ()
+
+
 def defines() -> tuple[str, ...]:
-    """Extra compiler options for every build of the source (NVRTC and the host build): tuning
-    defines from ``CUPY_ROPE_DEFINES``, for benchmarks only (e.g. ``"-DCUPY_ROPE_DEPTH=1;-DCUPY_QKV_MIN_BLOCKS=2"``)."""
-    return tuple(v for v in re.split(r"[\s;]+", os.environ.get("CUPY_ROPE_DEFINES", "")) if v)
+    """The tuning defines in effect (empty: the library's own build)."""
+    return tuple(DEFINES)
 
 
 def source_hash() -> str:

@@ -2,18 +2,15 @@
 
 Everything here works on :class:`ArrayInfo` descriptors (shape, element strides, dtype,
 device, address) and never touches array data, so every check is free of device
-synchronisation. The result is a plan that both back ends consume: the CUDA launch
-(parameter struct, grid, kernel name) and the NumPy backend (the same resolved numbers).
+synchronisation. The result is a plan that both back ends consume: the CUDA launch (the work
+split and parameter blocks: ``_worksplit``, ``_abi``) and the NumPy backend (the same numbers).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import struct
 from dataclasses import dataclass
 
-from . import _kernels
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
@@ -167,7 +164,7 @@ MAX_CP_SIZE = 2**31
 
 
 def resolve_positions(layout: str, tokens_shape: tuple, tables: dict, cu_seqlens, start_positions,
-                      cp_size, cp_rank) -> Positions:
+                      cp_size, cp_rank, x_name: str = "x") -> Positions:
     """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,);
     ``tables`` = {argument name: rows} of the angle tables the positions index."""
     cp_size = check_int("cp_size", cp_size, lo=1, hi=MAX_CP_SIZE)
@@ -191,7 +188,7 @@ def resolve_positions(layout: str, tokens_shape: tuple, tables: dict, cu_seqlens
         s, b = tokens_shape
         nseq, seq_len = b, s
         if cp_size > 1 and s % 2:
-            raise _err("x", f"an even local sequence length with cp_size = {cp_size} > 1",
+            raise _err(x_name, f"an even local sequence length with cp_size = {cp_size} > 1",
                        f"s = {s}")
         for tname, rows in tables.items():
             if rows < s * cp_size:
@@ -222,7 +219,7 @@ def split_tokens(layout: str, shape: tuple):
 
 def token_strides(layout: str, a: ArrayInfo):
     """(outer, inner) element strides of ``a``'s token dims, size-1 dims zeroed."""
-    st = _norm(a.shape, a.strides)
+    st = norm_strides(a.shape, a.strides)
     return (st[0], 0) if layout == "thd" else (st[0], st[1])
 
 
@@ -235,78 +232,12 @@ def output_strides(shape: tuple) -> tuple:
     return tuple(reversed(st))
 
 
-def _norm(shape, strides):
+def norm_strides(shape, strides):
     """Strides of size-1 dims do not matter: zero them so they never block vectorisation."""
     return tuple(0 if n == 1 else s for n, s in zip(shape, strides))
 
 
-def pick_vec(dtype: str, d: int, d2: int, arrays) -> int:
-    """Widest vector (elements, at most 16 bytes, or ``CUPY_ROPE_MAX_VEC_BYTES``) valid for every
-    (ptr, row strides, channel stride) given."""
-    isz = ITEMSIZE[dtype]
-    max_bytes = _MAX_VEC_BYTES or 16
-    h2 = d2 // 2
-    for v in sorted(_kernels.vector_widths(dtype), reverse=True):
-        if v == 1:
-            return 1
-        if h2 % v or d % v or v * isz > max_bytes:
-            continue
-        ok = True
-        for ptr, row_strides, sd in arrays:
-            if sd != 1 or ptr % (v * isz) or any(s % v for s in row_strides):
-                ok = False
-                break
-        if ok:
-            return v
-    return 1
-
-
-# Resident threads per SM the grid aims at; the rest of the rows loop inside threads (benchmark knob).
-_THREADS_PER_SM = int(os.environ.get("CUPY_ROPE_THREADS_PER_SM", "512"))
-_MAX_VEC_BYTES = int(os.environ.get("CUPY_ROPE_MAX_VEC_BYTES", "0"))  # 0: 16 bytes
-
-
-def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
-    """Work split shared by the rope and QKV kernels (kernels_cu/rope.cu, qkv_rope.cu).
-
-    Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
-    n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
-    units of ``tail_w`` vectors. A thread takes one unit of the rows c, c + C, ... of one set
-    (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
-    ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
-    threads = n_tok * n_sets * C * n_units.
-    """
-    n_rot = d2 // 2 // vec
-    tail = d - d2
-    tail_w = 2 if tail % (2 * vec) == 0 else 1
-    n_units = n_rot + tail // (tail_w * vec)
-    per_chunk = n_tok * n_sets * n_units
-    chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
-    return n_rot, n_units, tail_w, chunks, per_chunk * chunks
-
-
-def blocks_for(threads: int) -> int:
-    return -(-threads // _kernels.BLOCK)
-
-
 # ------------------------------------------------------------------------ plans
-# The kernel parameter blocks, field by field, read from the CUDA structs (the one definition of
-# the launch ABI: kernels_cu/rope.cu RopeParams, qkv_rope.cu QkvParams, rope_common.cuh PosArgs).
-ROPE_FIELDS = _kernels.struct_fields("RopeParams")
-QKV_FIELDS = _kernels.struct_fields("QkvParams")
-
-
-def _ptr_slots(fields, names) -> dict:
-    """64-bit slot of each address in a packed parameter block (patched by the launch cache)."""
-    slots = {n: fields.index(n) for n in names}
-    slots.update({n: fields.index(f"pos.{n}") for n in ("cu_seqlens", "start_positions")})
-    return slots
-
-
-ROPE_PTR_SLOTS = _ptr_slots(ROPE_FIELDS, ("x", "y", "freqs"))
-QKV_PTR_SLOTS = _ptr_slots(QKV_FIELDS, ("packed", "q", "k", "v", "q_freqs", "k_freqs"))
-
-
 @dataclass
 class RopePlan:
     """A resolved single-tensor RoPE call."""
@@ -323,60 +254,26 @@ class RopePlan:
     transpose_output: bool = False  # allocate bshd memory, return its sbhd view
 
     def launch(self, x: ArrayInfo, y: ArrayInfo, freqs: ArrayInfo, cu, sp, sm_count: int):
-        """(kernel name, grid, block, packed params) for the CUDA/host kernels."""
-        n_tok, n_inner, _ = split_tokens(self.layout, x.shape)
-        xs0, xs1 = token_strides(self.layout, x)
-        ys0, ys1 = token_strides(self.layout, y)
-        xst = _norm(x.shape, x.strides)
-        yst = _norm(y.shape, y.strides)
-        vec = pick_vec(self.dtype, self.d, self.table.d2,
-                       [(x.ptr, xst[:-1], xst[-1]), (y.ptr, yst[:-1], yst[-1])])
-        n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, self.heads, self.d, self.table.d2,
-                                                             vec, sm_count)
-        vals = dict(
-            x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
-            xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
-            n_heads=self.heads, d2=self.table.d2, n_chunks=chunks, n_units=n_units,
-            n_rot_units=n_rot, tail_w=tail_w, f_rows=self.table.rows, f_srow=self.table.srow,
-            f_scol=self.table.scol,
-        )
-        params = pack(ROPE_FIELDS, {**vals, **pos_values(self.pos, cu, sp)})
-        name = _kernels.kernel_name("rope", self.dtype, vec, self.interleaved, self.backward)
-        return name, blocks_for(threads), _kernels.BLOCK, params
+        """The :class:`cupy_rope._abi.LaunchSpec` of this call (x -> y)."""
+        from ._worksplit import rope_launch
 
-
-def pack(fields, vals: dict) -> bytes:
-    """The parameter block: ``vals[f]`` for every field ``f`` in order, as little-endian int64."""
-    return struct.pack(f"<{len(fields)}q", *(int(vals[f]) for f in fields))
-
-
-def index_stride(a: ArrayInfo | None) -> int:
-    """Element stride of a 1-D index tensor (any sign, 0 included); 1 when absent."""
-    return 1 if a is None or not a.strides else a.strides[0]
-
-
-def pos_values(pos: Positions, cu: ArrayInfo | None, sp: ArrayInfo | None) -> dict:
-    """The ``pos.*`` fields of a parameter block (the kernels' PosArgs)."""
-    return {"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
-            "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
-            "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
-            "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,
-            "pos.cp_rank": pos.cp_rank}
+        return rope_launch([self], [(x, y)], freqs, cu, sp, sm_count)
 
 
 def check_out(out: ArrayInfo | None, shape: tuple, dtype: str, ref: ArrayInfo, ref_name: str,
-              inputs: dict) -> None:
+              inputs: dict, out_name: str = "out") -> None:
     """An explicit output: right shape/dtype/device, no self-overlap, no overlap with inputs
-    other than being exactly the input (in place)."""
+    other than being exactly the input (in place). ``out_name`` names it in errors (the input's
+    own name when the call writes the input in place, e.g. ``inplace=True``)."""
     if out is None:
         return
     if tuple(out.shape) != tuple(shape):
-        raise _err("out", f"shape {tuple(shape)}", f"shape {tuple(out.shape)}")
+        raise _err(out_name, f"shape {tuple(shape)}", f"shape {tuple(out.shape)}")
     if out.dtype != dtype:
-        raise _terr("out", f"dtype {dtype}", out.dtype)
-    check_same_device(ref_name, ref, {"out": out})
+        raise _terr(out_name, f"dtype {dtype}", out.dtype)
+    check_same_device(ref_name, ref, {out_name: out})
     if out.size > 1 and any(s == 0 and n > 1 for n, s in zip(out.shape, out.strides)):
-        raise _err("out", "a writable array without zero strides (elements must not overlap)",
+        raise _err(out_name, "a writable array without zero strides (elements must not overlap)",
                    f"strides {tuple(out.strides)}")
     if out.ptr == 0 or out.size == 0:
         return
@@ -388,7 +285,7 @@ def check_out(out: ArrayInfo | None, shape: tuple, dtype: str, ref: ArrayInfo, r
             continue  # exactly the input: in-place is safe (each element read, then written, by one thread)
         alo, ahi = a.extent()
         if alo < hi and lo < ahi:
-            raise _err("out", f"memory that does not overlap `{name}` (or exactly `{ref_name}` for in-place)",
+            raise _err(out_name, f"memory that does not overlap `{name}` (or exactly `{ref_name}` for in-place)",
                        "an overlapping array")
 
 
@@ -415,12 +312,66 @@ def resolve_rope(x: ArrayInfo, freqs: ArrayInfo, layout, interleaved, cu_seqlens
     table = check_freqs("freqs", freqs, d)
     _, _, tokens_shape = split_tokens(layout, x.shape)
     pos = resolve_positions(layout, tokens_shape, {"freqs": table.rows}, cu_seqlens, start_positions,
-                            cp_size, cp_rank)
+                            cp_size, cp_rank, x_name)
     check_out(out, x.shape, x.dtype, x, x_name,
-              {x_name: x, "freqs": freqs, "cu_seqlens": cu_seqlens, "start_positions": start_positions})
+              {x_name: x, "freqs": freqs, "cu_seqlens": cu_seqlens, "start_positions": start_positions},
+              out_name=x_name if out is x else "out")  # resolve_rope_pair passes the input itself
     return RopePlan(layout=layout, interleaved=interleaved, backward=backward, dtype=x.dtype,
                     shape=tuple(x.shape), d=d, heads=heads, table=table, pos=pos,
                     transpose_output=transpose_output_memory)
+
+
+def _numpy_view(a: ArrayInfo):
+    """A NumPy array header over ``a``'s address range (never read: for overlap arithmetic)."""
+    import numpy as np
+
+    isz = ITEMSIZE[a.dtype]
+
+    class _Iface:
+        __array_interface__ = {"shape": tuple(a.shape), "typestr": f"|V{isz}", "version": 3,
+                               "strides": tuple(s * isz for s in a.strides), "data": (a.ptr, False)}
+
+    return np.asarray(_Iface())
+
+
+def shares_memory(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """Whether two arrays have an element in common (exact for strided views of one buffer, e.g.
+    q and k sliced out of a fused projection; conservative when the exact answer is too costly)."""
+    if a.size == 0 or b.size == 0 or a.ptr == 0 or b.ptr == 0:
+        return False
+    alo, ahi = a.extent()
+    blo, bhi = b.extent()
+    if ahi <= blo or bhi <= alo:
+        return False
+    import numpy as np
+
+    try:
+        return bool(np.shares_memory(_numpy_view(a), _numpy_view(b), max_work=10**6))
+    except np.exceptions.TooHardError:  # pragma: no cover - pathological strides
+        return True
+
+
+def resolve_rope_pair(q: ArrayInfo, k: ArrayInfo, freqs: ArrayInfo, layout, interleaved, cu_seqlens,
+                      start_positions, cp_size, cp_rank, inplace: bool, backward: bool,
+                      names=("q", "k")) -> tuple[RopePlan, RopePlan]:
+    """Validate a q-and-k call (one launch: same tokens, positions, table and dtype; head counts,
+    head dims and strides may differ) and resolve it into one plan per tensor."""
+    nq, nk = names
+    pq = resolve_rope(q, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                      q if inplace else None, backward, x_name=nq)
+    check_same_device(nq, q, {nk: k})
+    check_float_input(nk, k)
+    if k.dtype != q.dtype:
+        raise _terr(nk, f"the dtype of `{nq}` ({q.dtype})", k.dtype)
+    if k.ndim != q.ndim or tuple(k.shape[:-2]) != tuple(q.shape[:-2]):
+        raise _err(nk, f"the token dimensions of `{nq}` {tuple(q.shape[:-2])}, then heads and head dim",
+                   f"shape {tuple(k.shape)}")
+    pk = resolve_rope(k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                      k if inplace else None, backward, x_name=nk)
+    if inplace and shares_memory(q, k):
+        raise _err(nk, f"memory that shares no element with `{nq}` (inplace=True writes both)",
+                   "overlapping tensors")
+    return pq, pk
 
 
 @dataclass
@@ -454,27 +405,10 @@ class QkvPlan:
 
     def launch(self, packed: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
                q_freqs: ArrayInfo, k_freqs: ArrayInfo, cu, sp, sm_count: int):
-        n_tok, n_inner, _ = split_tokens(self.layout, packed.shape)
-        st = {name: _norm(a.shape, a.strides) for name, a in
-              (("p", packed), ("q", q), ("k", k), ("v", v))}
-        arrays = [(packed.ptr, st["p"][:-1], st["p"][-1])]
-        arrays += [(a.ptr, st[n][:-1], st[n][-1]) for n, a in (("q", q), ("k", k), ("v", v))]
-        vec = pick_vec(self.dtype, self.d, self.q_table.d2, arrays)
-        n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, self.groups, self.n_q + 2, self.d,
-                                                             self.q_table.d2, vec, sm_count)
-        vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
-                    k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=self.groups,
-                    n_q=self.n_q, d=self.d, d2=self.q_table.d2, n_chunks=chunks, n_units=n_units,
-                    n_rot_units=n_rot, tail_w=tail_w, k_same_table=self.k_same_table)
-        for pre, a in (("p", packed), ("q", q), ("k", k), ("v", v)):
-            s0, s1 = token_strides(self.layout, a)
-            vals.update({f"{pre}s0": s0, f"{pre}s1": s1, f"{pre}s{'g' if pre == 'p' else 'h'}": st[pre][-2],
-                         f"{pre}sd": st[pre][-1]})
-        for pre, t in (("qf", self.q_table), ("kf", self.k_table)):
-            vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
-        params = pack(QKV_FIELDS, {**vals, **pos_values(self.pos, cu, sp)})
-        name = _kernels.kernel_name("qkv", self.dtype, vec, self.interleaved, self.backward)
-        return name, blocks_for(threads), _kernels.BLOCK, params
+        """The :class:`cupy_rope._abi.LaunchSpec` of this call."""
+        from ._worksplit import qkv_launch
+
+        return qkv_launch(self, packed, q, k, v, q_freqs, k_freqs, cu, sp, sm_count)
 
 
 def check_split(split) -> tuple[int, int, int]:

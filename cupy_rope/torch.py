@@ -23,43 +23,166 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _api
+from . import _api, _freqs
 
 
 # ----------------------------------------------------------------------------- ops
-@torch.library.custom_op("cupy_rope::rope", mutates_args=())
-def _rope_op(x: torch.Tensor, freqs: torch.Tensor, layout: str, interleaved: bool,
-             cu_seqlens: Optional[torch.Tensor], start_positions: Optional[torch.Tensor],
-             cp_size: int, cp_rank: int, backward: bool, transpose_output_memory: bool) -> torch.Tensor:
-    fn = _api.apply_rope_backward if backward else _api.apply_rope
-    return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
-              start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
-              transpose_output_memory=transpose_output_memory)
+# The single-tensor and q+k ops are defined on the dispatcher directly (``torch.library.Library``):
+# CUDA and CPU kernels that call the library, a fake kernel for meta/fake tensors and
+# torch.compile, and an Autograd kernel of our own. A call that needs no gradient costs one
+# dispatcher trip plus the launch; the eager public functions skip the dispatcher for plain
+# CUDA tensors. Under torch.compile the op is one node of the graph (fake kernel, no break).
+_LIB = torch.library.Library("cupy_rope", "FRAGMENT")
+_POS_SCHEMA = "str layout, bool interleaved, Tensor? cu_seqlens, Tensor? start_positions, int cp_size, int cp_rank"
+_LIB.define(f"rope(Tensor x, Tensor freqs, {_POS_SCHEMA}, bool backward, bool transpose_output_memory) -> Tensor")
+_LIB.define(f"rope_qk(Tensor q, Tensor k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> (Tensor, Tensor)")
+_LIB.define(f"rope_qk_(Tensor(a!) q, Tensor(b!) k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> ()")
+# The same kernels with no autograd kernel of their own: what torch.compile puts in its graphs
+# (the autograd.Functions below are traced, so the compiled graphs need no autograd at run time,
+# and a call from a compiled graph costs one C++ dispatch plus the launch).
+_LIB.define(f"_rope_impl(Tensor x, Tensor freqs, {_POS_SCHEMA}, bool backward, bool transpose_output_memory) -> Tensor")
+_LIB.define(f"_rope_qk_impl(Tensor q, Tensor k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> (Tensor, Tensor)")
 
 
-@_rope_op.register_fake
-def _(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward,
-      transpose_output_memory):
-    if transpose_output_memory:
+def _plain_cuda(x) -> bool:
+    """A plain CUDA tensor with no dispatch mode active: the kernels can run on it directly."""
+    return type(x) is torch.Tensor and x.is_cuda and not torch._C._len_torch_dispatch_stack()
+
+
+def _rope_kernel(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
+    return _api._rope(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, None, tom, backward,
+                      "grad" if backward else "x")
+
+
+def _rope_qk_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    return _api._rope_qk(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, False, backward,
+                         ("dq", "dk") if backward else ("q", "k"))
+
+
+def _rope_qk_inplace_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    _api._rope_qk(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, True, backward,
+                  ("dq", "dk") if backward else ("q", "k"))
+
+
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("rope", _rope_kernel, _key)
+    _LIB.impl("_rope_impl", _rope_kernel, _key)
+    _LIB.impl("rope_qk", _rope_qk_kernel, _key)
+    _LIB.impl("_rope_qk_impl", _rope_qk_kernel, _key)
+    _LIB.impl("rope_qk_", _rope_qk_inplace_kernel, _key)
+
+
+@torch.library.register_fake("cupy_rope::_rope_impl", lib=_LIB)
+@torch.library.register_fake("cupy_rope::rope", lib=_LIB)
+def _rope_fake(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
+    if tom:
         s, b, h, d = x.shape
         return x.new_empty((b, s, h, d)).permute(1, 0, 2, 3)
     return x.new_empty(x.shape)
 
 
-def _rope_setup(ctx, inputs, output):
-    _, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, _ = inputs
-    ctx.save_for_backward(freqs, cu, sp)
-    ctx.args = (layout, interleaved, cp_size, cp_rank, backward)
+@torch.library.register_fake("cupy_rope::_rope_qk_impl", lib=_LIB)
+@torch.library.register_fake("cupy_rope::rope_qk", lib=_LIB)
+def _rope_qk_fake(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _rope_grad(ctx, grad):
-    freqs, cu, sp = ctx.saved_tensors
-    layout, interleaved, cp_size, cp_rank, backward = ctx.args
-    gx = _rope_op(grad, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, not backward, False)
-    return gx, None, None, None, None, None, None, None, None, None
+@torch.library.register_fake("cupy_rope::rope_qk_", lib=_LIB)
+def _rope_qk_inplace_fake(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    return None
 
 
-_rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+_ROPE = torch.ops.cupy_rope.rope.default
+_ROPE_QK = torch.ops.cupy_rope.rope_qk.default
+_ROPE_IMPL = torch.ops.cupy_rope._rope_impl.default
+_ROPE_QK_IMPL = torch.ops.cupy_rope._rope_qk_impl.default
+
+
+def _below_autograd(impl_op, kernel, op, lead, *args):
+    """Run below autograd: traced by torch.compile, the autograd-free op ``impl_op``; for plain
+    CUDA tensors the ``kernel`` directly; otherwise (fake, functional and other wrapper tensors,
+    dispatch modes, CPU) the public ``op`` through the dispatcher."""
+    if torch.compiler.is_compiling():
+        return impl_op(*args)
+    if _plain_cuda(lead):
+        return kernel(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _rope_call(x, *args):
+    return _below_autograd(_ROPE_IMPL, _rope_kernel, _ROPE, x, x, *args)
+
+
+def _rope_qk_call(q, *args):
+    return _below_autograd(_ROPE_QK_IMPL, _rope_qk_kernel, _ROPE_QK, q, q, *args)
+
+
+class _RopeFn(torch.autograd.Function):
+    """RoPE is linear in x: the gradient is the other direction's op at the same positions; only
+    the table and the index tensors are saved."""
+
+    @staticmethod
+    def forward(ctx, x, freqs, cu, sp, static):
+        ctx.save_for_backward(freqs, cu, sp)
+        ctx.static = static
+        return _rope_call(x, freqs, *static[:2], cu, sp, *static[2:])
+
+    @staticmethod
+    def backward(ctx, g):
+        freqs, cu, sp = ctx.saved_tensors
+        layout, il, cp_size, cp_rank, backward, _ = ctx.static
+        return _RopeFn.apply(g, freqs, cu, sp, (layout, il, cp_size, cp_rank, not backward, False)), \
+            None, None, None, None
+
+
+class _RopeQkFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, freqs, cu, sp, static):
+        ctx.save_for_backward(freqs, cu, sp)
+        ctx.static = static
+        return _rope_qk_call(q, k, freqs, *static[:2], cu, sp, *static[2:])
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        freqs, cu, sp = ctx.saved_tensors
+        layout, il, cp_size, cp_rank, backward = ctx.static
+        dq, dk = _RopeQkFn.apply(gq, gk, freqs, cu, sp, (layout, il, cp_size, cp_rank, not backward))
+        return dq, dk, None, None, None, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _rope_autograd(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
+    if _needs_grad(x):
+        return _RopeFn.apply(x, freqs, cu, sp, (layout, interleaved, cp_size, cp_rank, backward, tom))
+    return _rope_call(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom)
+
+
+def _rope_qk_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    if _needs_grad(q, k):
+        return _RopeQkFn.apply(q, k, freqs, cu, sp, (layout, interleaved, cp_size, cp_rank, backward))
+    return _rope_qk_call(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
+
+
+def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    if _needs_grad(q, k):
+        raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
+                         "(an in-place rotation is not differentiable), got True")
+    if _plain_cuda(q):
+        _rope_qk_inplace_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
+    else:
+        with torch._C._AutoDispatchBelowAutograd():
+            torch.ops.cupy_rope.rope_qk_.default(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
+                                                 backward)
+    torch.autograd.graph.increment_version((q, k))
+
+
+_LIB.impl("rope", _rope_autograd, "Autograd")
+_LIB.impl("rope_qk", _rope_qk_autograd, "Autograd")
+_LIB.impl("rope_qk_", _rope_qk_inplace_autograd, "Autograd")
 
 
 @torch.library.custom_op("cupy_rope::qkv_rope", mutates_args=())
@@ -161,8 +284,14 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
                              "(an explicit output is not differentiable), got a tensor")
         return _api.apply_rope(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                                start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out=out)
-    return _rope_op(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, False,
-                    transpose_output_memory)
+    return _dispatch_rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, False,
+                          transpose_output_memory)
+
+
+def _dispatch_rope(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
+    """The autograd kernel's logic without the dispatcher trip. Under torch.compile the
+    autograd.Function is traced and the graph calls the autograd-free op."""
+    return _rope_autograd(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom)
 
 
 def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", **kw) -> torch.Tensor:
@@ -182,9 +311,64 @@ def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "
     if unknown:
         raise TypeError(f"cupy_rope.torch.apply_rope_backward: unexpected keyword `{sorted(unknown)[0]}`")
     _check_tensors(grad=grad, freqs=freqs, cu_seqlens=kw.get("cu_seqlens"), start_positions=kw.get("start_positions"))
-    return _rope_op(grad, freqs, layout, kw.get("interleaved", False), kw.get("cu_seqlens"),
-                    kw.get("start_positions"), kw.get("cp_size", 1), kw.get("cp_rank", 0), True,
-                    kw.get("transpose_output_memory", False))
+    return _dispatch_rope(grad, freqs, layout, kw.get("interleaved", False), kw.get("cu_seqlens"),
+                          kw.get("start_positions"), kw.get("cp_size", 1), kw.get("cp_rank", 0), True,
+                          kw.get("transpose_output_memory", False))
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *,
+                  interleaved: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                  start_positions: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
+                  inplace: bool = False):
+    """Differentiable :func:`cupy_rope.apply_rope_qk`: q and k rotated in one launch.
+
+    ``q`` ``[.., hq, dq]`` and ``k`` ``[.., hk, dk]`` share the token dimensions, dtype, positions
+    and table; any strides (e.g. views ``qkv[:, :, 0]``, ``qkv[:, :, 1]`` of a fused projection).
+    Returns ``(q_out, k_out)``, differentiable in ``q`` and ``k``. ``inplace=True`` rotates ``q``
+    and ``k`` themselves (not differentiable: raises when either requires grad) and returns them.
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+        >>> qkv = torch.randn(2, 16, 3, 4, 64, requires_grad=True)
+        >>> q, k = crt.apply_rope_qk(qkv[:, :, 0], qkv[:, :, 1], f, "bshd")
+        >>> (q.sum() + k.sum()).backward(); qkv.grad.shape
+        torch.Size([2, 16, 3, 4, 64])
+    """
+    return _dispatch_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                        inplace, False)
+
+
+def apply_rope_qk_backward(dq: torch.Tensor, dk: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *,
+                           interleaved: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                           start_positions: Optional[torch.Tensor] = None, cp_size: int = 1,
+                           cp_rank: int = 0, inplace: bool = False):
+    """Differentiable :func:`cupy_rope.apply_rope_qk_backward` (its gradient is the forward).
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+        >>> gq, gk = crt.apply_rope_qk_backward(torch.ones(16, 1, 4, 64), torch.ones(16, 1, 2, 64), f)
+        >>> gk.shape
+        torch.Size([16, 1, 2, 64])
+    """
+    return _dispatch_qk(dq, dk, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                        inplace, True)
+
+
+def _dispatch_qk(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, inplace, backward):
+    names = ("dq", "dk") if backward else ("q", "k")
+    _check_tensors(**{names[0]: q, names[1]: k}, freqs=freqs, cu_seqlens=cu, start_positions=sp)
+    if inplace is True:
+        if torch.compiler.is_compiling():
+            torch.ops.cupy_rope.rope_qk_.default(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
+                                                 backward)
+        else:
+            _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
+        return q, k
+    if inplace is not False:
+        raise TypeError(f"cupy_rope.torch: `inplace`: expected a bool, got {type(inplace).__name__} {inplace!r}")
+    return _rope_qk_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
 
 
 def _split(qkv_last: int, groups: int, split, num_q_heads):
@@ -236,11 +420,11 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.rotary_base, self.interleaved = rotary_base, interleaved
-        _api.rope_freqs(dim, 0, rotary_percent=rotary_percent, base=rotary_base)  # validate now
+        _freqs.rope_freqs(dim, 0, rotary_percent=rotary_percent, base=rotary_base)  # validate now
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-        return _api.rope_freqs(self.dim, max_seq_len, rotary_percent=self.rotary_percent,
+        return _freqs.rope_freqs(self.dim, max_seq_len, rotary_percent=self.rotary_percent,
                                base=self.rotary_base, interleaved=self.interleaved,
                                seq_len_interpolation_factor=self.seq_len_interpolation_factor,
                                pretrained_max_position_embeddings=self.pretrained_max_position_embeddings,

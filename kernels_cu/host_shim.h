@@ -36,16 +36,22 @@ static inline float __uint_as_float(unsigned int u) {
   return a;
 }
 
-#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                                 \
-  extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {           \
-    const PARAMS& p = *static_cast<const PARAMS*>(params);                                     \
-    gridDim = {grid, 1, 1};                                                                    \
+// NAME(grid_x, grid_y, block, params): params holds one parameter block per grid row (the pair
+// entry) or one for all rows (the single entry).
+#define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, STEP)                                          \
+  extern "C" void NAME(unsigned int grid, unsigned int grid_y, unsigned int block, const void* params) { \
+    gridDim = {grid, grid_y, 1};                                                               \
     blockDim = {block, 1, 1};                                                                  \
-    for (unsigned int b = 0; b < grid; ++b) {                                                  \
-      blockIdx = {b, 0, 0};                                                                    \
-      for (unsigned int t = 0; t < block; ++t) {                                               \
-        threadIdx = {t, 0, 0};                                                                 \
-        BODY(p);                                                                               \
+    for (unsigned int y = 0; y < grid_y; ++y) {                                                \
+      const PARAMS& p = static_cast<const PARAMS*>(params)[STEP * y];                          \
+      for (unsigned int b = 0; b < grid; ++b) {                                                \
+        blockIdx = {b, y, 0};                                                                  \
+        for (unsigned int t = 0; t < block; ++t) {                                             \
+          threadIdx = {t, 0, 0};                                                               \
+          BODY(p);                                                                             \
+        }                                                                                      \
       }                                                                                        \
     }                                                                                          \
   }
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 0)
+#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1)

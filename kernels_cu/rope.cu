@@ -75,7 +75,8 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 
 }  // namespace cupy_rope
 
-// One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b>.
+// One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b>, taking
+// two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
 // The launch layer appends the CUPY_ROPE_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
-  CUPY_ROPE_ENTRY(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)

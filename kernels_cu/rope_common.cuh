@@ -476,4 +476,15 @@ __device__ __forceinline__ bool unit_channels(i64 u, i64 n_rot, i64 d2, i64 tail
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS) NAME(const PARAMS p) { \
     BODY(p);                                                                                     \
   }
+// Two parameter blocks, one per grid row (blockIdx.y): two tensors (q and k) in one launch.
+// A launch of one tensor has gridDim.y = 1 and never reads p1.
+#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS)                                   \
+  extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS)                      \
+      NAME(const PARAMS p0, const PARAMS p1) {                                                   \
+    if (blockIdx.y == 0) {                                                                       \
+      BODY(p0);                                                                                  \
+    } else {                                                                                     \
+      BODY(p1);                                                                                  \
+    }                                                                                            \
+  }
 #endif

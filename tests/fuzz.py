@@ -1,7 +1,8 @@
-"""Randomised fuzz of the four entry points (issue: safe on every input).
+"""Randomised fuzz of the six entry points (issue: safe on every input).
 
 Each case is drawn from one seed: an entry point (``apply_rope``, ``apply_rope_backward``,
-``apply_qkv_rope``, ``apply_qkv_rope_backward``), valid extremes (sizes 0 and 1, odd and large
+``apply_rope_qk``, ``apply_rope_qk_backward``, ``apply_qkv_rope``, ``apply_qkv_rope_backward``;
+q and k separate or views of one fused ``[.., 3, h, d]`` buffer, in place or not), valid extremes (sizes 0 and 1, odd and large
 head dims, h = 257, cp_size up to 8, thd with empty sequences and padding rows, int32/int64
 indices, tables exactly as long as needed), every array argument laid out in memory at random
 (permuted, sliced with steps out of a poisoned buffer, reversed, expanded with stride 0, offset),
@@ -41,6 +42,7 @@ from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rop
 
 BACKENDS = ("numpy", "torch-cpu", "host", "cupy", "torch-cuda")
 CPU_BACKENDS = ("numpy", "torch-cpu")  # the NumPy backend: index contents are checked always
+QK_NAMES = {"qk": ("q", "k"), "qk_bwd": ("dq", "dk")}  # the q+k entry points' array names
 INT_POISON = {"int32": 0x5A5A5A5A, "int64": 0x5A5A5A5A5A5A5A5A}
 
 
@@ -287,7 +289,7 @@ def _index(rng, vals, dtype, backend, name, case, two_d=False):
 
 def draw(seed: int, backend: str) -> Case:
     rng = np.random.default_rng(seed)
-    entry = str(rng.choice(["rope", "rope_bwd", "qkv", "qkv_bwd"]))
+    entry = str(rng.choice(["rope", "rope_bwd", "qk", "qk_bwd", "qkv", "qkv_bwd"]))
     layout = str(rng.choice(["sbhd", "bshd", "thd"]))
     dtype = str(rng.choice(["float32", "float16", "bfloat16"]))
     interleaved = bool(rng.random() < 0.5)
@@ -367,7 +369,25 @@ def draw(seed: int, backend: str) -> Case:
     def data(shape):
         return lay_out(rng.uniform(-2, 2, shape).astype(npdt), rng, _pick_mode(rng, backend), poison)
 
-    if entry.startswith("rope"):
+    if entry in QK_NAMES:
+        qn, kn = QK_NAMES[entry]
+        fused = rng.random() < 0.4
+        if fused:  # views of one [.., 3, h, d] projection (k may have other heads only when separate)
+            proj = data(lead + (3, h, d))
+            step = proj.strides[len(lead)]
+            drop = proj.strides[:len(lead)] + proj.strides[len(lead) + 1:]
+            mode = "expanded" if proj.mode == "expanded" else "fused"
+            case.arrays[qn] = Laid(proj.base, proj.offset, lead + (h, d), drop, mode)
+            case.arrays[kn] = Laid(proj.base, proj.offset + step, lead + (h, d), drop, mode)
+        else:
+            hk = int(rng.choice([0, 1, 2, 3, 8]))
+            dk = d if rng.random() < 0.7 else max(d2, int(rng.choice(HEAD_DIMS)))
+            case.arrays[qn] = data(lead + (h, d))
+            case.arrays[kn] = data(lead + (hk, dk))
+        case.meta["fused"] = fused
+        if rng.random() < 0.3 and "expanded" not in (case.arrays[qn].mode, case.arrays[kn].mode):
+            case.kw["inplace"] = True
+    elif entry.startswith("rope"):
         xname = "x" if entry == "rope" else "grad"
         case.arrays[xname] = data(lead + (h, d))
         r = rng.random()
@@ -405,14 +425,16 @@ def _make_invalid(case: Case, rng, backend):
     """One invalid argument; ``case.expect_error`` = the name the error must carry."""
     A, kw = case.arrays, case.kw
     qkv = case.entry.startswith("qkv")
-    inputs = [n for n in ("x", "grad", "qkv", "dq", "dk", "dv") if n in A]
+    inputs = [n for n in ("x", "grad", "q", "k", "qkv", "dq", "dk", "dv") if n in A]
     tables = ("q_freqs", "k_freqs") if qkv else ("freqs",)
     choices = ["input_type", "input_dtype", "input_ndim", "table_none", "table_type", "table_dtype",
                "table_shape", "layout", "layout_list", "interleaved", "cp_size", "cp_size_huge", "cp_list",
                "cp_rank", "cu_wrong", "sp_bad", "sp_list"]
     if case.layout != "thd" and case.meta["lead"][0 if case.layout == "sbhd" else 1] * case.cp_size > 0:
         choices.append("table_short")
-    if not qkv:
+    if case.entry in QK_NAMES:
+        choices += ["k_dtype", "k_tokens", "inplace_type"] + (["inplace_overlap"] if 0 not in A[inputs[0]].shape else [])
+    elif not qkv:
         choices += ["out_shape", "out_dtype", "out_overlap", "out_zero_stride"]
         if case.layout != "thd":
             choices.append("tom_bshd")
@@ -428,6 +450,27 @@ def _make_invalid(case: Case, rng, backend):
     case.meta["invalid"] = what
     name = str(rng.choice(inputs))
     tname = str(rng.choice(tables))
+    if what in ("k_dtype", "k_tokens", "inplace_type", "inplace_overlap"):
+        qn, kn = QK_NAMES[case.entry]
+        q = A[qn]
+        if what == "k_dtype":
+            other = np.float16 if case.dtype != "float16" else np.float32
+            A[kn] = lay_out(np.zeros(A[kn].shape, other), rng, "contiguous", 0)
+        elif what == "k_tokens":
+            A[kn] = lay_out(np.zeros(A[kn].shape[:-3] + (A[kn].shape[-3] + 1,) + A[kn].shape[-2:],
+                                     NP_DTYPES[case.dtype]), rng, "contiguous", 0)
+        elif what == "inplace_type":
+            kw["inplace"] = [1, "yes", None][int(rng.integers(0, 3))]
+            case.expect_error = "inplace"
+            return
+        else:  # k is q's memory: in-place writes would race
+            A[kn] = Laid(q.base, q.offset, q.shape, q.strides, "same")
+            kw["inplace"] = True
+            if q.mode == "expanded" or "expanded" in (A[qn].mode,):
+                case.expect_error = qn  # a stride-0 tensor cannot be written in place
+                return
+        case.expect_error = kn
+        return
     if what == "input_type":
         case.lists[name] = [None, [1.0, 2.0], (1, 2), 3.0, "x"][int(rng.integers(0, 5))]
         case.expect_error = name
@@ -584,6 +627,8 @@ def _positional(case: Case, native: dict):
         return [native["x"], native["freqs"]]
     if case.entry == "rope_bwd":
         return [native["grad"], native["freqs"]]
+    if case.entry in QK_NAMES:
+        return [native[n] for n in QK_NAMES[case.entry]] + [native["freqs"]]
     if case.entry == "qkv":
         return [native["qkv"], native["q_freqs"], native["k_freqs"]]
     return [native["dq"], native["dk"], native["dv"], native["q_freqs"], native["k_freqs"]]
@@ -593,6 +638,10 @@ def call(case: Case, backend: str, native: dict):
     """Run the case's entry point on ``backend``'s arrays."""
     kw = _call_kwargs(case, native)
     pos = _positional(case, native)
+    if case.entry in QK_NAMES:
+        fn = cupy_rope.apply_rope_qk if case.entry == "qk" else cupy_rope.apply_rope_qk_backward
+        layout = kw.pop("layout", "sbhd")
+        return fn(*pos, layout, **kw)
     if case.entry.startswith("qkv"):
         split = kw.pop("split", None)
         kw.pop("out", None)
@@ -606,11 +655,21 @@ def call(case: Case, backend: str, native: dict):
 
 def _host_call(case: Case, native: dict):
     """The host build of the kernels through the real launch plan (valid calls only)."""
-    from cupy_rope import _hostkernels, _plan
+    from cupy_rope import _plan
+    from cupy_rope._dev import hostkernels as _hostkernels
     from cupy_rope._interop import info
 
     kw = _call_kwargs(case, native)
     cu, sp = info(kw.get("cu_seqlens")), info(kw.get("start_positions"))
+    if case.entry in QK_NAMES:
+        names = QK_NAMES[case.entry]
+        q, k = (native[n] for n in names)
+        inplace = kw.get("inplace", False)
+        plans = _plan.resolve_rope_pair(info(q), info(k), info(native["freqs"]), case.layout, case.interleaved,
+                                        cu, sp, case.cp_size, case.cp_rank, inplace, case.entry == "qk_bwd", names)
+        outs = (q, k) if inplace else tuple(np.full(a.shape, np.nan, a.dtype) for a in (q, k))
+        return _hostkernels.run_rope_qk(plans, q, k, native["freqs"], kw.get("cu_seqlens"),
+                                        kw.get("start_positions"), outs)
     if case.entry.startswith("rope"):
         xn = "x" if case.entry == "rope" else "grad"
         x = native[xn]
@@ -673,6 +732,13 @@ def _check_rope(y, x, freqs, case, vals, what):
 
 def check_valid(case: Case, result, vals: dict, backend: str):
     """Results against the float64 reference (``vals``: the logical NumPy inputs)."""
+    if case.entry in QK_NAMES:
+        assert isinstance(result, tuple) and len(result) == 2, type(result)
+        for n, r in zip(QK_NAMES[case.entry], result):
+            y = to_numpy(r)
+            assert y.shape == vals[n].shape and y.dtype == vals[n].dtype, (n, y.shape, y.dtype)
+            _check_rope(y, vals[n], vals["freqs"], case, vals, f"{n} " + case.describe())
+        return
     if case.entry.startswith("rope"):
         xn = "x" if case.entry == "rope" else "grad"
         y = to_numpy(result)
@@ -746,16 +812,25 @@ def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     # inputs untouched (their whole buffers); out's buffer outside the view untouched
     xn = "x" if case.entry == "rope" else "grad"
     written = {"out"} | ({xn} if case.out_is_input else set())
+    if case.kw.get("inplace") is True:
+        written |= set(QK_NAMES[case.entry])
+    covered = {}  # buffer name -> elements written (views sharing a buffer: their union)
+    for n in written:
+        if n in laid:
+            owner = next(k for k in bufs if laid[k].base is laid[n].base)
+            covered[owner] = covered.get(owner, False) | laid[n].covered()
     for k, b in bufs.items():
         now = to_numpy(b)
-        if k in written:  # only the output view's elements may change
-            keep = ~laid[k].covered()
+        if k in covered:  # only the output views' elements may change
+            keep = ~covered[k]
             assert np.array_equal(bits(now[keep]), bits(before[k][keep])), \
                 f"memory around `{k}` written\n{case.describe()}"
         else:
             assert np.array_equal(bits(now), bits(before[k])), f"input `{k}` was modified\n{case.describe()}"
     if "out" in native and backend != "host":
         assert result is native["out"], "with `out` the result is `out`"
+    if case.kw.get("inplace") is True and backend != "host":
+        assert all(r is native[n] for r, n in zip(result, QK_NAMES[case.entry])), "inplace returns q, k"
     if case.garbage_cu:
         return "ran (garbage cu_seqlens: memory checks only)"
     check_valid(case, result, vals, backend)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _hostkernels, _plan
+from cupy_rope import _abi, _plan, _worksplit
+from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cases import inputs, matrix
 from reference import assert_close_to_ref, rope_ref
@@ -36,7 +37,7 @@ def test_numpy_backend(case, backward):
 def kernel(request, monkeypatch):
     """Both ends of the work split: one row per thread (a large device) and all rows of a token
     in one thread (a small device)."""
-    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
     return request.param
 
 
@@ -66,7 +67,7 @@ def test_host_kernel_vector_widths(vec_case, dtype, kernel):
     for interleaved in (False, True):
         plan = _plan.resolve_rope(info(x), info(freqs), "sbhd", interleaved, None, None, 1, 0, None, False)
         out = np.full(x.shape, np.nan, dtype=x.dtype)
-        name = plan.launch(info(x), info(out), info(freqs), None, None, 4)[0]
+        name = plan.launch(info(x), info(out), info(freqs), None, None, 4).name
         assert ("_v1_" in name) == (vec_case == "scalar"), name
         y = _hostkernels.run_rope(plan, x, freqs, out=out)
         assert_close_to_ref(y, rope_ref(x, freqs, interleaved=interleaved), x, 96, dtype, name)
@@ -97,7 +98,7 @@ def test_host_kernel_row_chunks(dtype, table, monkeypatch):
     per row (a general table); tail units of one and of two vectors."""
     from cases import NP_DTYPES
 
-    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 1)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
     rng = np.random.default_rng(9)
     for shape, layout, d2 in (((5, 2, 301, 64), "sbhd", 48), ((37, 7, 64), "thd", 40),
                               ((3, 13, 2, 64), "bshd", 32), ((4, 2, 4, 64), "sbhd", 64)):
@@ -110,8 +111,8 @@ def test_host_kernel_row_chunks(dtype, table, monkeypatch):
             kw["cu_seqlens"] = np.array([0, 7, 7, 30], np.int32)
         plan = _plan_for(x, f, kw, False)
         _, _, _, params = plan.launch(info(x), info(x), info(f), info(kw.get("cu_seqlens")), None, 4)
-        vals = dict(zip(_plan.ROPE_FIELDS, struct.unpack(f"<{len(_plan.ROPE_FIELDS)}q",
-                                                          params[:8 * len(_plan.ROPE_FIELDS)])))
+        vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",
+                                                          params[:8 * len(_abi.ROPE_FIELDS)])))
         assert vals["n_chunks"] == 1, vals
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         y = _hostkernels.run_rope(plan, x, f, kw.get("cu_seqlens"), out=out)
@@ -124,11 +125,11 @@ def test_work_split_ends():
     import itertools
 
     for rows, n_tok, sm in itertools.product((1, 3, 32), (1, 7, 4096), (4, 132)):
-        _plan._THREADS_PER_SM, saved = 10**9, _plan._THREADS_PER_SM
+        _worksplit._THREADS_PER_SM, saved = 10**9, _worksplit._THREADS_PER_SM
         try:
-            assert _plan.split_work(n_tok, 1, rows, 64, 64, 8, sm)[3] == rows
-            _plan._THREADS_PER_SM = 1
-            n_rot, n_units, _, chunks, threads = _plan.split_work(n_tok, 1, rows, 64, 64, 8, sm)
+            assert _worksplit.split_work(n_tok, 1, rows, 64, 64, 8, sm)[3] == rows
+            _worksplit._THREADS_PER_SM = 1
+            n_rot, n_units, _, chunks, threads = _worksplit.split_work(n_tok, 1, rows, 64, 64, 8, sm)
             assert chunks == max(1, min(rows, -(-sm // (n_tok * n_units)))) and threads == n_tok * n_units * chunks
         finally:
-            _plan._THREADS_PER_SM = saved
+            _worksplit._THREADS_PER_SM = saved

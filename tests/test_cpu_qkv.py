@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _hostkernels, _plan
+from cupy_rope import _plan, _worksplit
+from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cases import NP_DTYPES, make_cu_seqlens, strided
 from reference import assert_close_to_ref, qkv_split_ref, rope_ref, term_scale
@@ -57,7 +58,7 @@ def qkv_case(i, layout, g, n, d):
 @pytest.fixture(params=["one_row", "max_rows"])
 def kernel(request, monkeypatch):
     """Both ends of the work split (see test_cpu_matrix.kernel)."""
-    monkeypatch.setattr(_plan, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
     return request.param
 
 

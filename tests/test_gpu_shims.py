@@ -164,3 +164,121 @@ def test_train_attention_block_matches_pure_torch():
         torch.backends.cuda.matmul.allow_tf32 = tf32
     np.testing.assert_allclose(ours, ref, rtol=1e-4)
     np.testing.assert_allclose(w_ours, w_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_rope_qk_cuda_one_launch_matches_separate_calls():
+    """q and k in one launch: bit-identical to two apply_rope calls (GQA head counts, views of a
+    fused projection), forward, backward and in place; cached relaunches with new buffers; CUDA
+    graph capture and torch.compile (reduce-overhead) of a block using it."""
+    import torch
+
+    import cupy_rope.torch as crt
+    from cupy_rope import _launch
+
+    f = torch.from_numpy(cupy_rope.rope_freqs(128, 256)).cuda()
+    sp = torch.tensor([5, 0, 17, 3], dtype=torch.int32, device="cuda")
+    launches = []
+    orig = _launch.launch
+    _launch.launch = lambda spec, *a, **k: (launches.append(spec.grid), orig(spec, *a, **k))[1]
+    try:
+        for trial in range(3):  # new buffers each time: the cached launch patches the addresses
+            qkv = torch.randn(4, 32, 3, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            q, k = crt.apply_rope_qk(qkv[:, :, 0], qkv[:, :, 1], f, "bshd", start_positions=sp)
+            rq = crt.apply_rope(qkv[:, :, 0], f, "bshd", start_positions=sp)
+            rk = crt.apply_rope(qkv[:, :, 1], f, "bshd", start_positions=sp)
+            torch.testing.assert_close(q, rq, rtol=0, atol=0)
+            torch.testing.assert_close(k, rk, rtol=0, atol=0)
+            g = torch.randn_like(q)
+            (q * g).sum().backward(retain_graph=True)
+            gq = qkv.grad[:, :, 0].clone()
+            torch.testing.assert_close(gq, crt.apply_rope_backward(g, f, "bshd", start_positions=sp), rtol=0, atol=0)
+            assert not qkv.grad[:, :, 1:].any()
+    finally:
+        _launch.launch = orig
+    assert any(gr[1] == 2 for gr in launches), launches  # q and k: two grid rows of one launch
+    # GQA: other head counts and head dims; in place into the projection
+    q8 = torch.randn(64, 2, 16, 128, device="cuda", dtype=torch.float16)
+    k2 = torch.randn(64, 2, 2, 64, device="cuda", dtype=torch.float16)[..., :64]
+    f64 = f[..., :64]
+    a, b = crt.apply_rope_qk(q8, k2, f64)
+    torch.testing.assert_close(a, crt.apply_rope(q8, f64), rtol=0, atol=0)
+    torch.testing.assert_close(b, crt.apply_rope(k2, f64), rtol=0, atol=0)
+    buf = torch.randn(4, 32, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ref = [crt.apply_rope(buf[:, :, i], f, "bshd") for i in (0, 1)]
+    v = buf[:, :, 2].clone()
+    crt.apply_rope_qk(buf[:, :, 0], buf[:, :, 1], f, "bshd", inplace=True)
+    for i in (0, 1):
+        torch.testing.assert_close(buf[:, :, i], ref[i], rtol=0, atol=0)
+    torch.testing.assert_close(buf[:, :, 2], v, rtol=0, atol=0)
+
+    def block(x):
+        q, k = crt.apply_rope_qk(x[:, :, 0], x[:, :, 1], f, "bshd", start_positions=sp)
+        return q.float().square().sum() + k.float().sum()
+
+    x = torch.randn(4, 32, 3, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for mode in ("default", "reduce-overhead"):
+        c = torch.compile(block, fullgraph=True, mode=mode)
+        for _ in range(3):
+            x.grad = None
+            out = c(x)
+            out.backward()
+            gc = x.grad.clone()
+            x.grad = None
+            block(x).backward()
+            torch.testing.assert_close(gc, x.grad)
+            with torch.no_grad():
+                x.copy_(torch.randn_like(x))
+
+
+def test_jax_rope_qk_fused_gpu_command_buffers():
+    """The JAX q+k entries on the GPU: against the reference, and a jitted multi-layer chain called
+    with alternating inputs (XLA may record the launches into a command buffer and replay them:
+    every call must see its own buffers); grad and vmap."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(3)
+    fn_ = rng.uniform(-5, 5, (64, 1, 1, 128)).astype(np.float32)
+    f = jnp.asarray(fn_)
+    sp_n = np.array([3, 9], np.int32)
+    sp = jnp.asarray(sp_n)
+
+    def chain(t):
+        outs = []
+        for _ in range(6):
+            q, k = crj.apply_rope_qk_fused(t, f, "bshd", start_positions=sp)
+            t = t.at[:, :, 0].set(q).at[:, :, 1].set(k)
+            outs.append(q)
+        return t, outs
+
+    fn = jax.jit(chain)
+    inputs = [rng.uniform(-1, 1, (2, 16, 3, 4, 128)).astype(np.float32) for _ in range(2)]
+    for trial in range(6):
+        xn = inputs[trial % 2]
+        t, outs = fn(jnp.asarray(xn))
+        ref_q, ref_k = xn[:, :, 0], xn[:, :, 1]
+        for i in range(6):
+            ref_q = rope_ref(ref_q, fn_, layout="bshd", start_positions=sp_n)
+            ref_k = rope_ref(ref_k, fn_, layout="bshd", start_positions=sp_n)
+        np.testing.assert_allclose(np.asarray(t[:, :, 0]), ref_q, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(t[:, :, 1]), ref_k, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(t[:, :, 2]), xn[:, :, 2])
+    # flat [b, s, (hq + 2 hk) d] projection, GQA; grad; separate q, k entry; vmap
+    flat = rng.uniform(-1, 1, (2, 16, (8 + 2 * 2) * 128)).astype(np.float32)
+    q, k = jax.jit(lambda a: crj.apply_rope_qk_fused(a, f, "bshd", num_q_heads=8, num_kv_heads=2))(jnp.asarray(flat))
+    qn, kn = flat[..., :1024].reshape(2, 16, 8, 128), flat[..., 1024:1280].reshape(2, 16, 2, 128)
+    assert_close_to_ref(np.asarray(q), rope_ref(qn, fn_, layout="bshd"), qn, 128, "float32")
+    assert_close_to_ref(np.asarray(k), rope_ref(kn, fn_, layout="bshd"), kn, 128, "float32")
+    q2, k2 = jax.jit(lambda a, b: crj.apply_rope_qk(a, b, f, "bshd"))(jnp.asarray(qn), jnp.asarray(kn))
+    np.testing.assert_array_equal(np.asarray(q2), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k))
+    w = rng.uniform(-1, 1, q.shape).astype(np.float32)
+    g = jax.jit(jax.grad(lambda a: (crj.apply_rope_qk_fused(a, f, "bshd", num_q_heads=8, num_kv_heads=2)[0]
+                                    * w).sum()))(jnp.asarray(flat))
+    np.testing.assert_allclose(np.asarray(g)[..., :1024].reshape(w.shape),
+                               rope_ref(w, fn_, layout="bshd", backward=True), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(g)[..., 1024:].any()
+    qv, _ = jax.vmap(lambda a: crj.apply_rope_qk(a, a[..., :2, :], f, "bshd"))(jnp.stack([jnp.asarray(qn)] * 2))
+    np.testing.assert_array_equal(np.asarray(qv[1]), np.asarray(q))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _hostkernels, _kernels, _plan
+from cupy_rope import _abi, _kernels, _plan
+from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_ref
 
@@ -70,7 +71,7 @@ def _run(name, tail, fw):
         out = out.transpose(1, 2, 0, 3)
         if fw == "host":
             plan = _plan.resolve_rope(info(x), info(f), "sbhd", il, None, info(sp), 2, 1, None, bw)
-            assert plan.launch(info(x), info(out), info(f), None, info(sp), 4)[0] == name
+            assert plan.launch(info(x), info(out), info(f), None, info(sp), 4).name == name
             y = _hostkernels.run_rope(plan, x, f, None, sp, out=out)
         else:
             fn = cupy_rope.apply_rope_backward if bw else cupy_rope.apply_rope
@@ -133,9 +134,9 @@ def test_instantiation_on_gpu(name, tail, monkeypatch):
 
     orig = _launch.launch
 
-    def launch(kname, *a):
-        LAUNCHED_GPU.add(kname)
-        return orig(kname, *a)
+    def launch(spec, *a, **k):
+        LAUNCHED_GPU.add(spec.name)
+        return orig(spec, *a, **k)
 
     monkeypatch.setattr(_launch, "launch", launch)
     _run(name, tail, "cupy")
@@ -151,9 +152,9 @@ def test_every_instantiation_was_launched_on_gpu():
 def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
     """The launch ABI has one definition: the Python field order is read from the CUDA structs, and
     anything that is not a 64-bit field is refused."""
-    assert _plan.ROPE_FIELDS[:3] == ("x", "y", "freqs") and _plan.ROPE_FIELDS[-1] == "pos.cp_rank"
-    assert _plan.QKV_FIELDS[-12] == "k_same_table"
-    assert _plan.ROPE_PTR_SLOTS["start_positions"] == _plan.ROPE_FIELDS.index("pos.start_positions")
+    assert _abi.ROPE_FIELDS[:3] == ("x", "y", "freqs") and _abi.ROPE_FIELDS[-1] == "pos.cp_rank"
+    assert _abi.QKV_FIELDS[-12] == "k_same_table"
+    assert _abi.ROPE_PTR_SLOTS["start_positions"] == _abi.ROPE_FIELDS.index("pos.start_positions")
     src = "struct Bad {\n  i64 a, b;  // fine\n  int c;\n};\n"
     monkeypatch.setattr(_kernels, "base_source", lambda: src)
     _kernels.struct_fields.cache_clear()

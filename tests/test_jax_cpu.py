@@ -75,3 +75,51 @@ def test_jax_qkv_cpu():
     assert_close_to_ref(gq, rope_ref(wq, fq, start_positions=sp, backward=True), wq, 32, "float32", "dq")
     assert_close_to_ref(gk, rope_ref(wk, fk, start_positions=sp, backward=True), wk, 32, "float32", "dk")
     np.testing.assert_array_equal(gv, wv)
+
+
+@pytest.mark.parametrize("form", ["stacked", "flat"])
+def test_jax_rope_qk_and_fused_cpu(form):
+    """apply_rope_qk and the fused-projection entry against the reference, jitted, with gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(4)
+    fn_ = rng.uniform(-5, 5, (20, 48)).astype(np.float32)
+    f = jnp.asarray(fn_)
+    sp = np.array([1, 3], np.int32)
+    kw = dict(start_positions=jnp.asarray(sp))
+    if form == "stacked":
+        qkv_n = rng.uniform(-1, 1, (2, 8, 3, 4, 64)).astype(np.float32)  # bshd
+        qn, kn = qkv_n[:, :, 0], qkv_n[:, :, 1]
+        fused_kw = {}
+    else:
+        hq, hk = 4, 2
+        qkv_n = rng.uniform(-1, 1, (2, 8, (hq + 2 * hk) * 64)).astype(np.float32)
+        qn = qkv_n[..., : hq * 64].reshape(2, 8, hq, 64)
+        kn = qkv_n[..., hq * 64: (hq + hk) * 64].reshape(2, 8, hk, 64)
+        fused_kw = dict(num_q_heads=hq, num_kv_heads=hk)
+    q, k = jax.jit(lambda a: crj.apply_rope_qk_fused(a, f, "bshd", **fused_kw, **kw))(jnp.asarray(qkv_n))
+    q2, k2 = jax.jit(lambda a, b: crj.apply_rope_qk(a, b, f, "bshd", **kw))(jnp.asarray(qn), jnp.asarray(kn))
+    for y, y2, xn in ((q, q2, qn), (k, k2, kn)):
+        assert_close_to_ref(np.asarray(y), rope_ref(xn, fn_, layout="bshd", start_positions=sp), xn, 48, "float32")
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+    wq, wk = rng.uniform(-1, 1, q.shape).astype(np.float32), rng.uniform(-1, 1, k.shape).astype(np.float32)
+
+    def loss(a):
+        a, b = crj.apply_rope_qk_fused(a, f, "bshd", **fused_kw, **kw)
+        return (a * wq).sum() + (b * wk).sum()
+
+    g = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(qkv_n)))
+    gq_ref = rope_ref(wq, fn_, layout="bshd", start_positions=sp, backward=True)
+    gk_ref = rope_ref(wk, fn_, layout="bshd", start_positions=sp, backward=True)
+    if form == "stacked":
+        gq, gk, gv = g[:, :, 0], g[:, :, 1], g[:, :, 2]
+    else:
+        gq, gk, gv = (g[..., :256].reshape(2, 8, 4, 64), g[..., 256:384].reshape(2, 8, 2, 64), g[..., 384:])
+    np.testing.assert_allclose(gq, gq_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gk, gk_ref, rtol=1e-5, atol=1e-5)
+    assert not gv.any()
+    with pytest.raises(ValueError, match="`num_q_heads`"):
+        crj.apply_rope_qk_fused(jnp.asarray(qkv_n.reshape(2, 8, -1)), f, "bshd")

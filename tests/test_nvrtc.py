@@ -3,7 +3,8 @@ cached by the hash of every input of the compile, so a second run is instant).""
 
 import pytest
 
-from cupy_rope import _hostkernels, _kernels
+from cupy_rope import _kernels
+from cupy_rope._dev import hostkernels as _hostkernels
 
 
 def _nvrtc_or_skip():

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _api, _hostkernels, _plan
+from cupy_rope import _api, _plan
+from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from reference import assert_close_to_ref, rope_ref
 
@@ -157,8 +158,10 @@ def test_options_validated_before_cache_keys():
                      (dict(transpose_output_memory=[1]), "transpose_output_memory")):
         with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
             cupy_rope.apply_rope(X, F, **kw)
-    key, entry, _ = _api._cache_lookup("cupy", {}, (("rope", list, [1]),))  # unhashable: not cacheable
-    assert key is None and entry is None
+    key, ptrs = _api._cache_key("cupy", ("rope",), ([1],), ())  # unhashable: not cacheable
+    assert key is None and ptrs is None
+    # options are keyed with their types: interleaved=1 never hits the entry of interleaved=True
+    assert _api._cache_key("cupy", ("rope",), (True,), ())[0] != _api._cache_key("cupy", ("rope",), (1,), ())[0]
 
 
 def test_read_only_out_is_a_named_error_and_nothing_written():
@@ -271,3 +274,30 @@ def test_out_overlapping_a_reversed_input_is_refused():
     with pytest.raises(ValueError, match="`out`: expected memory that does not overlap `x`"):
         cupy_rope.apply_rope(x, F, out=out)
     np.testing.assert_array_equal(x, X)
+
+
+def test_vector_width_needs_aligned_addresses():
+    """A 16-byte vector needs a 16-byte aligned address: 4-byte alignment gives 2 bf16 (4 bytes)."""
+    from cupy_rope import _worksplit
+
+    assert _worksplit.pick_vec("bfloat16", [128], 128, [(4096, (0,), 1)]) == 8
+    assert _worksplit.pick_vec("bfloat16", [128], 128, [(4096 + 4, (0,), 1)]) == 2
+    assert _worksplit.pick_vec("bfloat16", [128], 128, [(4096 + 8, (0,), 1)]) == 4
+    assert _worksplit.pick_vec("float32", [128], 128, [(4096 + 8, (0,), 1)]) == 2
+    assert _worksplit.pick_vec("float32", [128], 128, [(4096, (6,), 1)]) == 2  # a row stride of 6
+
+
+def test_out_overlap_boundaries():
+    """`out` right after (or before) the input in one buffer is accepted; one shared element is not."""
+    buf = np.random.default_rng(0).uniform(-1, 1, 2 * X.size).astype(np.float32)
+    x, after = buf[: X.size].reshape(X.shape), buf[X.size:].reshape(X.shape)
+    ref = cupy_rope.apply_rope(x.copy(), F)
+    np.testing.assert_array_equal(cupy_rope.apply_rope(x, F, out=after), ref)
+    buf[: X.size] = buf[X.size:]
+    np.testing.assert_array_equal(cupy_rope.apply_rope(after, F, out=x), cupy_rope.apply_rope(after.copy(), F))
+    big = np.zeros(2 * X.size, np.float32)
+    shared = big[X.size - 1: 2 * X.size - 1].reshape(X.shape)  # shares x's last element
+    xi = big[: X.size].reshape(X.shape)
+    for a, b in ((xi, shared), (shared, xi)):
+        with pytest.raises(ValueError, match="`out`"):
+            cupy_rope.apply_rope(a, F, out=b)

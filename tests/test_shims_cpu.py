@@ -224,3 +224,71 @@ def test_te_qkv_dropin_against_reference(layout, interleaved):
     assert_close_to_ref(gq, rope_ref(dq, qf, backward=True, **kw), dq, d2, "float32", "dq")
     assert_close_to_ref(gk, rope_ref(dk, kf, backward=True, **kw), dk, d2, "float32", "dk")
     np.testing.assert_array_equal(gv, dv)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bshd", "thd"])
+def test_torch_rope_qk_fused_views_autograd_and_inplace(layout):
+    """q and k as views of one fused projection: forward, gradients into the projection (v's part
+    zero), against the reference; inplace=True rotates the views where they are."""
+    import cupy_rope.torch as crt
+
+    rng = np.random.default_rng(5)
+    f = _f(48, 40)
+    lead = (14,) if layout == "thd" else ((4, 2) if layout == "sbhd" else (2, 4))
+    kw = dict(layout=layout, interleaved=layout == "bshd", start_positions=torch.tensor([2, 0, 1]))
+    if layout == "thd":
+        kw["cu_seqlens"] = torch.tensor([0, 6, 6, 14], dtype=torch.int64)
+    qkv = torch.from_numpy(rng.uniform(-1, 1, lead + (3, 3, 64)).astype(np.float32)).requires_grad_()
+    ax = len(lead)
+    q, k = crt.apply_rope_qk(qkv.select(ax, 0), qkv.select(ax, 1), f, **kw)
+    wq, wk = (torch.from_numpy(rng.uniform(-1, 1, q.shape).astype(np.float32)) for _ in range(2))
+    ((q * wq).sum() + (k * wk).sum()).backward()
+    nkw = {k_: (v.numpy() if isinstance(v, torch.Tensor) else v) for k_, v in kw.items()}
+    xn = qkv.detach().numpy()
+    for i, (y, w) in enumerate(((q, wq), (k, wk))):
+        xi = np.take(xn, i, axis=ax)
+        assert_close_to_ref(y.detach().numpy(), rope_ref(xi, f.numpy(), **nkw), xi, 48, "float32")
+        gi = np.take(qkv.grad.numpy(), i, axis=ax)
+        assert_close_to_ref(gi, rope_ref(w.numpy(), f.numpy(), backward=True, **nkw), w.numpy(), 48, "float32")
+    assert not np.take(qkv.grad.numpy(), 2, axis=ax).any()
+    # in place on the views: q and k rotated inside the projection, v untouched
+    buf = qkv.detach().clone()
+    rq, rk = crt.apply_rope_qk(buf.select(ax, 0), buf.select(ax, 1), f, inplace=True, **kw)
+    assert rq.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf.select(ax, 0), q.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(buf.select(ax, 1), k.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(buf.select(ax, 2), qkv.detach().select(ax, 2), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="`inplace`"):
+        crt.apply_rope_qk(qkv.select(ax, 0), qkv.select(ax, 1), f, inplace=True, **kw)
+    with pytest.raises(ValueError, match="`k`"):
+        crt.apply_rope_qk(buf.select(ax, 0), buf.select(ax, 0), f, inplace=True, **kw)
+
+
+def test_torch_rope_qk_gqa_opcheck_compile():
+    """Different head counts and head dims for q and k; the ops pass opcheck; torch.compile
+    (fullgraph) of a block using them gives eager's gradients."""
+    import cupy_rope.torch as crt
+
+    f = _f(32, 16)
+    q = torch.randn(16, 2, 8, 64, requires_grad=True)
+    k = torch.randn(16, 2, 2, 32, requires_grad=True)
+    rq, rk = crt.apply_rope_qk(q, k, f)
+    torch.testing.assert_close(rq, crt.apply_rope(q, f), rtol=0, atol=0)
+    torch.testing.assert_close(rk, crt.apply_rope(k, f), rtol=0, atol=0)
+    gq, gk = crt.apply_rope_qk_backward(rq.detach(), rk.detach(), f)
+    torch.testing.assert_close(gq, crt.apply_rope_backward(rq.detach(), f), rtol=0, atol=0)
+    args = (f, "sbhd", False, None, None, 1, 0, False)
+    torch.library.opcheck(torch.ops.cupy_rope.rope_qk.default, (q, k) + args)
+    torch.library.opcheck(torch.ops.cupy_rope.rope_qk_.default, (q.detach().clone(), k.detach().clone()) + args)
+
+    def block(q, k):
+        a, b = crt.apply_rope_qk(q, k, f)
+        return (a.square().sum() + (b * 3).sum()) + crt.apply_rope(q, f, interleaved=True).sum()
+
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k)
+    out.backward()
+    g1 = (q.grad.clone(), k.grad.clone())
+    q.grad = k.grad = None
+    block(q, k).backward()
+    torch.testing.assert_close(g1[0], q.grad)
+    torch.testing.assert_close(g1[1], k.grad)

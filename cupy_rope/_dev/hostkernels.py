@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _kernels
-from ._interop import info
+from .. import _kernels
+from .._interop import info
 
 
 HEADERS = ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h", "nv/target")
@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL:
             shutil.move(str(out), so)
     lib = ctypes.CDLL(str(so))
     for n in names:
-        getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
+        getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
     return lib
 
 
@@ -132,8 +132,9 @@ def nvrtc_cubin(arch: str = "sm_90") -> bytes:
     return cubin
 
 
-def launch(name: str, grid: int, block: int, params: bytes) -> None:
-    getattr(library(), name)(grid, block, params)
+def launch(name: str, grid: tuple, block: int, params: bytes) -> None:
+    """Run kernel ``name`` over ``grid`` = (x, y) blocks of ``block`` threads on the CPU."""
+    getattr(library(), name)(grid[0], grid[1], block, params)
 
 
 def _np_info(a):
@@ -148,6 +149,18 @@ def run_rope(plan, x: np.ndarray, freqs: np.ndarray, cu=None, sp=None, out=None)
     if x.size:
         launch(name, grid, block, params)
     return y
+
+
+def run_rope_qk(plans, q: np.ndarray, k: np.ndarray, freqs: np.ndarray, cu=None, sp=None, outs=None):
+    """Run one rope launch for q and k (two grid rows) on NumPy arrays; returns ``outs``."""
+    from .._worksplit import rope_launch
+
+    outs = outs or tuple(np.empty(p.shape, a.dtype) for p, a in zip(plans, (q, k)))
+    spec = rope_launch(plans, [(_np_info(q), _np_info(outs[0])), (_np_info(k), _np_info(outs[1]))],
+                       _np_info(freqs), _np_info(cu), _np_info(sp), sm_count=4)
+    if q.size or k.size:
+        launch(*spec)
+    return tuple(outs)
 
 
 def run_qkv(plan, arrays, q_freqs, k_freqs, cu=None, sp=None):

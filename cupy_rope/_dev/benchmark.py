@@ -186,19 +186,12 @@ class Problem:
             s = shape[0] if spec["layout"] == "sbhd" else shape[1]
             b = shape[1] if spec["layout"] == "sbhd" else shape[0]
             rows = s * cp_size
-            j = np.arange(s)
-            if cp_size > 1:
-                c = s // 2
-                j = np.where(j < c, j + cp_rank * c, (2 * cp_size - 1 - cp_rank) * c + j - c)
-            pos = np.broadcast_to(j[:, None], (s, b)).copy()
+            sp = None
             if spec.get("decode"):
                 sp = torch.randint(0, 4000, (b,), dtype=torch.int32, device=dev)
                 kw["start_positions"] = sp
                 rows = 4096
-                pos = pos + sp.cpu().numpy()[None, :]
-            if spec["layout"] == "bshd":
-                pos = pos.T
-            self.positions = torch.tensor(pos, device=dev)
+            self.positions = torch.tensor(_positions_of(spec["layout"], shape, cp_size, cp_rank, sp), device=dev)
             f = cupy_rope.rope_freqs(d2, rows, like=anchor, interleaved=kw["interleaved"])
         self.shape, self.freqs, self.kw = shape, f, kw
         esz = torch.tensor([], dtype=dt).element_size()
@@ -208,6 +201,16 @@ class Problem:
         n_tok = math.prod(shape[:-2])
         self.bytes = 2 * per + min(f.numel(), n_tok * f.shape[-1]) * 4
         self.per = per
+
+
+def _positions_of(layout, shape, cp_size, cp_rank, sp=None):
+    """Every token's position (the library's own definition, cupy_rope._positions)."""
+    from .._plan import resolve_positions, split_tokens
+    from .._positions import token_positions
+
+    tokens_shape = split_tokens(layout, shape)[2]
+    pos = resolve_positions(layout, tokens_shape, {}, None, None, cp_size, cp_rank)
+    return token_positions(np, pos, tuple(shape[:-2]), None, None if sp is None else sp.cpu().numpy())[0]
 
 
 _COPY_SRC = r"""
@@ -541,6 +544,22 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def apply_tuning(spec: str, ap) -> None:
+    """Set the library's tuning constants for this process (benchmark variants; never the default)."""
+    from .. import _kernels, _worksplit
+
+    for item in filter(None, spec.split(",")):
+        key, _, val = item.partition("=")
+        if key == "THREADS_PER_SM":
+            _worksplit._THREADS_PER_SM = int(val)
+        elif key == "MAX_VEC_BYTES":
+            _worksplit._MAX_VEC_BYTES = int(val)
+        elif key == "DEFINES":
+            _kernels.DEFINES = tuple(v for v in val.split(";") if v)
+        else:
+            ap.error(f"--tune: unknown {key!r}, expected THREADS_PER_SM, MAX_VEC_BYTES or DEFINES")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m cupy_rope bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -550,7 +569,10 @@ def main(argv=None):
     ap.add_argument("--rows", default="", help="comma-separated row ids (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="time cupy_rope and the copy only")
     ap.add_argument("--plot", help="write a PNG of %% of copy bandwidth per shape")
+    ap.add_argument("--tune", default="", help="tuning variant, this process only: comma-separated "
+                    "THREADS_PER_SM=N, MAX_VEC_BYTES=N (0: 16), DEFINES=-DNAME=V;-DNAME=V (kernel build)")
     a = ap.parse_args(argv)
+    apply_tuning(a.tune, ap)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     why = gpu_missing()
     if why:

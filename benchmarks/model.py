@@ -1,0 +1,430 @@
+"""End-to-end and per-call benchmarks: does swapping cupy_rope into a model make it faster?
+
+The model (per layer): ``qkv = x @ W_qkv`` viewed as ``[b, s, 3, h, d]``, RoPE on the q and k
+views (strided, no copies), causal attention (``F.scaled_dot_product_attention`` /
+``jax.nn.dot_product_attention``), output projection, residual; bf16. Written twice in the same
+framework and mode: with the plain formula (``x*cos + rotate_half(x)*sin``, cos/sin tables in
+the model's dtype gathered at the positions, as model code writes it) and with cupy_rope (torch:
+``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
+on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
+
+Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` (each layer
+compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
+``infer`` (forward, no grad) and ``train`` (forward + backward of a scalar loss, gradients of the
+weights and the input). Time per step: median over rounds of back-to-back steps, one
+synchronisation per round.
+
+Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
+bf16 with offsets, against the formula in the same framework and mode, and the raw launch cost
+of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` on a prepared argument block.
+
+    python benchmarks/model.py --json benchmarks/results/h200_model.json
+    python benchmarks/model.py --configs decode --modes eager --kinds infer   # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+CONFIGS = {
+    "prefill": dict(b=8, s=128, h=8, d=128, layers=8, decode=False),
+    "train": dict(b=2, s=2048, h=16, d=128, layers=8, decode=False),
+    "decode": dict(b=64, s=1, h=32, d=128, layers=16, decode=True),
+}
+MODES = ("eager", "compile", "reduce-overhead", "jit")
+KINDS = ("infer", "train")
+MAX_POS = 4096
+
+
+def _per_call(fn, sync, calls, rounds, warm=3):
+    """Median seconds per call over ``rounds`` rounds of ``calls`` back-to-back calls, one
+    synchronisation per round."""
+    for _ in range(warm):
+        last = fn()
+    sync(last)
+    res = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            last = fn()
+        sync(last)
+        res.append((time.perf_counter() - t) / calls)
+    return float(np.median(res))
+
+
+def _median_step_ms(step, sync, rounds=7, steps=10):
+    """Median ms per model step."""
+    return _per_call(step, sync, steps, rounds) * 1e3
+
+
+# ----------------------------------------------------------------------------- torch model
+def _torch_model(cfg, variant, seed=0):
+    """(layer function, weights, inputs dict) of the torch model; ``variant`` 'formula' or 'cupy_rope'."""
+    import torch
+    import torch.nn.functional as F
+
+    import cupy_rope
+    import cupy_rope.torch as crt
+
+    b, s, h, d = cfg["b"], cfg["s"], cfg["h"], cfg["d"]
+    D = h * d
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    freqs = cupy_rope.rope_freqs(d, MAX_POS, like=torch.empty(0, device=dev))  # [S, 1, 1, d] float32
+    if cfg["decode"]:
+        sp = torch.randint(0, MAX_POS - s, (b,), generator=g, device=dev, dtype=torch.int32)
+        positions = sp[:, None].long() + torch.arange(s, device=dev)[None, :]
+    else:
+        sp = None
+        positions = torch.arange(s, device=dev)[None, :].expand(b, s)
+    ang = freqs.reshape(MAX_POS, d)[positions]  # [b, s, d]
+    cos, sin = ang.cos().to(dt)[:, :, None, :], ang.sin().to(dt)[:, :, None, :]
+
+    def rotate_half(t):
+        return torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)
+
+    def rope_formula(q, k):
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rope_ours(q, k):
+        return crt.apply_rope_qk(q, k, freqs, "bshd", start_positions=sp)
+
+    rope = rope_formula if variant == "formula" else rope_ours
+
+    def layer(x, w_qkv, w_o):
+        qkv = (x @ w_qkv).view(b, s, 3, h, d)
+        q, k = rope(qkv[:, :, 0], qkv[:, :, 1])
+        v = qkv[:, :, 2]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return x + o.transpose(1, 2).reshape(b, s, D) @ w_o
+
+    weights = [(torch.randn(D, 3 * D, generator=g, device=dev, dtype=dt) * D ** -0.5,
+                torch.randn(D, D, generator=g, device=dev, dtype=dt) * D ** -0.5) for _ in range(cfg["layers"])]
+    x = torch.randn(b, s, D, generator=g, device=dev, dtype=dt)
+    return layer, weights, x
+
+
+def _torch_step(cfg, variant, mode, kind):
+    import torch
+
+    layer, weights, x = _torch_model(cfg, variant)
+    if mode != "eager":
+        torch._dynamo.reset()  # each (config, variant) compiles afresh: no recompile-limit carry-over
+    if mode == "compile":
+        layer = torch.compile(layer, fullgraph=True)
+    elif mode == "reduce-overhead":
+        layer = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    train = kind == "train"
+    params = [w for pair in weights for w in pair]
+    if train:
+        for p in params:
+            p.requires_grad_(True)
+        x = x.clone().requires_grad_(True)
+
+    def forward():
+        y = x
+        for w_qkv, w_o in weights:
+            y = layer(y, w_qkv, w_o)
+        return y
+
+    if train:
+        def step():
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            for p in params:
+                p.grad = None
+            x.grad = None
+            loss = forward().float().square().mean()
+            loss.backward()
+            return loss
+    else:
+        def step():
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                return forward()
+    return step, lambda _: torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- JAX model
+def _jax_step(cfg, variant, kind):
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope
+    import cupy_rope.jax as crj
+
+    b, s, h, d = cfg["b"], cfg["s"], cfg["h"], cfg["d"]
+    D = h * d
+    dt = jnp.bfloat16
+    key = jax.random.key(0)
+    freqs = jnp.asarray(cupy_rope.rope_freqs(d, MAX_POS))
+    rng = np.random.default_rng(0)
+    if cfg["decode"]:
+        sp_n = rng.integers(0, MAX_POS - s, b).astype(np.int32)
+        sp = jnp.asarray(sp_n)
+        positions = sp_n[:, None] + np.arange(s)[None, :]
+    else:
+        sp = None
+        positions = np.broadcast_to(np.arange(s)[None, :], (b, s))
+    ang = jnp.asarray(np.asarray(cupy_rope.rope_freqs(d, MAX_POS)).reshape(MAX_POS, d)[positions])
+    cos, sin = jnp.cos(ang).astype(dt)[:, :, None, :], jnp.sin(ang).astype(dt)[:, :, None, :]
+
+    def rotate_half(t):
+        return jnp.concatenate([-t[..., d // 2:], t[..., : d // 2]], -1)
+
+    def layer(x, w_qkv, w_o):
+        qkv = (x @ w_qkv).reshape(b, s, 3, h, d)
+        if variant == "formula":
+            q, k = qkv[:, :, 0], qkv[:, :, 1]
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        else:
+            q, k = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp)
+        o = jax.nn.dot_product_attention(q, k, qkv[:, :, 2], is_causal=True)  # [b, s, h, d]
+        return x + o.reshape(b, s, D) @ w_o
+
+    keys = jax.random.split(key, 2 * cfg["layers"] + 1)
+    weights = [((jax.random.normal(keys[2 * i], (D, 3 * D)) * D ** -0.5).astype(dt),
+                (jax.random.normal(keys[2 * i + 1], (D, D)) * D ** -0.5).astype(dt)) for i in range(cfg["layers"])]
+    x = jax.random.normal(keys[-1], (b, s, D)).astype(dt)
+
+    def forward(weights, x):
+        for w_qkv, w_o in weights:
+            x = layer(x, w_qkv, w_o)
+        return x
+
+    if kind == "train":
+        fn = jax.jit(jax.value_and_grad(lambda w, x: jnp.mean(jnp.square(forward(w, x).astype(jnp.float32))),
+                                        argnums=(0, 1)))
+    else:
+        fn = jax.jit(forward)
+    return (lambda: fn(weights, x)), jax.block_until_ready
+
+
+# ----------------------------------------------------------------------------- end to end
+def model_rows(configs, modes, kinds, rounds):
+    rows = []
+    jobs = [(c, m, k) for c in configs for m in modes for k in kinds]
+    for cname, mode, kind in tqdm(jobs, desc="model", file=sys.stdout):
+        cfg = CONFIGS[cname]
+        fw = "jax" if mode == "jit" else "torch"
+        times = {}
+        try:
+            for variant in ("formula", "cupy_rope"):
+                step, sync = _jax_step(cfg, variant, kind) if fw == "jax" else _torch_step(cfg, variant, mode, kind)
+                times[variant] = _median_step_ms(step, sync, rounds=rounds)
+            rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
+                             cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],
+                             shape=cfg))
+        except Exception as e:  # recorded, never hidden
+            rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, error=f"{type(e).__name__}: {e}"[:400]))
+        tqdm.write(json.dumps({k: v for k, v in rows[-1].items() if k != "shape"}))
+    return rows
+
+
+# ----------------------------------------------------------------------------- per call
+def _wall_us(fn, sync, calls=200, rounds=7):
+    """Median wall µs per call of back-to-back calls (the host cost, for small work)."""
+    return _per_call(fn, sync, calls, rounds, warm=20) * 1e6
+
+
+def _profile(path, fns, n=3000):
+    """cProfile of ``n`` calls of each function (the hot path's own cost), written to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    with open(path, "w") as fh:
+        for name, fn in fns.items():
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(n):
+                fn()
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+            fh.write(f"==== {name}: {n} calls\n{s.getvalue()}\n")
+
+
+def percall_rows(profile=None):
+    """Host µs per call at the decode shape [1, 64, 32, 128] bf16 (sbhd) with offsets."""
+    import cupy
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import cupy_rope
+    import cupy_rope.jax as crj
+    import cupy_rope.torch as crt
+
+    s, b, h, d = 1, 64, 32, 128
+    rows = []
+
+    def add(entry, us, formula_us=None, note=""):
+        rows.append(dict(entry=entry, us_per_call=us, formula_us_per_call=formula_us, note=note))
+        tqdm.write(json.dumps(rows[-1]))
+
+    tsync = lambda _: torch.cuda.synchronize()  # noqa: E731
+    dev = "cuda"
+    f = cupy_rope.rope_freqs(d, MAX_POS, like=torch.empty(0, device=dev))
+    sp = torch.randint(0, MAX_POS - 1, (b,), device=dev, dtype=torch.int32)
+    x = torch.randn(s, b, h, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(s, b, 8, d, device=dev, dtype=torch.bfloat16)
+    pos = sp.long()[None, :]
+    ang = f.reshape(MAX_POS, d)[pos]
+    cos, sin = ang.cos().bfloat16()[:, :, None, :], ang.sin().bfloat16()[:, :, None, :]
+
+    def formula(t):
+        return t * cos + torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1) * sin
+
+    # torch eager
+    add("torch: cupy_rope.torch.apply_rope", _wall_us(lambda: crt.apply_rope(x, f, start_positions=sp), tsync),
+        _wall_us(lambda: formula(x), tsync))
+    add("torch: cupy_rope.apply_rope (plain API)", _wall_us(lambda: cupy_rope.apply_rope(x, f, start_positions=sp), tsync))
+    op = torch.ops.cupy_rope.rope.default
+    add("torch: torch.ops.cupy_rope.rope", _wall_us(lambda: op(x, f, "sbhd", False, None, sp, 1, 0, False, False), tsync))
+    add("torch: cupy_rope.torch.apply_rope_qk (q and k)",
+        _wall_us(lambda: crt.apply_rope_qk(x, k, f, start_positions=sp), tsync),
+        _wall_us(lambda: (formula(x), formula(k)), tsync))
+    xg = x.clone().requires_grad_(True)
+    gy = torch.randn_like(x)
+    add("torch: apply_rope forward+backward (autograd)",
+        _wall_us(lambda: crt.apply_rope(xg, f, start_positions=sp).backward(gy), tsync),
+        _wall_us(lambda: formula(xg).backward(gy), tsync))
+    # torch.compile: a chain of 16 calls, per call
+    n = 16
+
+    def chain(fn):
+        def run(t):
+            for _ in range(n):
+                t = fn(t)
+            return t
+        return run
+
+    for mode in ("default", "reduce-overhead"):
+        kw = {} if mode == "default" else dict(mode="reduce-overhead")
+        c_ours = torch.compile(chain(lambda t: crt.apply_rope(t, f, start_positions=sp)), fullgraph=True, **kw)
+        c_form = torch.compile(chain(formula), fullgraph=True, **kw)
+        add(f"torch.compile({mode}): per call in a chain of {n}", _wall_us(lambda: c_ours(x), tsync, calls=50) / n,
+            _wall_us(lambda: c_form(x), tsync, calls=50) / n)
+    # CuPy
+    xc, fc, spc = cupy.from_dlpack(x), cupy.from_dlpack(f), cupy.from_dlpack(sp)
+    csync = lambda _: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
+    add("cupy: cupy_rope.apply_rope", _wall_us(lambda: cupy_rope.apply_rope(xc, fc, start_positions=spc), csync))
+    # JAX
+    xj, fj, spj = jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16), jnp.asarray(f.cpu().numpy()), \
+        jnp.asarray(sp.cpu().numpy())
+    cosj, sinj = jnp.asarray(cos.float().cpu().numpy()).astype(jnp.bfloat16), \
+        jnp.asarray(sin.float().cpu().numpy()).astype(jnp.bfloat16)
+
+    def jformula(t):
+        return t * cosj + jnp.concatenate([-t[..., d // 2:], t[..., : d // 2]], -1) * sinj
+
+    one = jax.jit(lambda t: crj.apply_rope(t, fj, start_positions=spj))
+    one_f = jax.jit(jformula)
+    add("jax: one jitted call", _wall_us(lambda: one(xj), jax.block_until_ready),
+        _wall_us(lambda: one_f(xj), jax.block_until_ready))
+    jchain = jax.jit(chain(lambda t: crj.apply_rope(t, fj, start_positions=spj)))
+    jchain_f = jax.jit(chain(jformula))
+    add(f"jax: per op inside a jitted chain of {n}", _wall_us(lambda: jchain(xj), jax.block_until_ready, calls=50) / n,
+        _wall_us(lambda: jchain_f(xj), jax.block_until_ready, calls=50) / n)
+    from cupy_rope import _xla
+
+    _xla.COMMAND_BUFFERS = False  # the same callbacks, not marked command-buffer compatible
+    try:
+        one_p = jax.jit(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1)
+        jchain_p = jax.jit(chain(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1))
+        add("jax: one jitted call, plain callback", _wall_us(lambda: one_p(xj), jax.block_until_ready))
+        add(f"jax: per op inside a jitted chain of {n}, plain callback",
+            _wall_us(lambda: jchain_p(xj), jax.block_until_ready, calls=50) / n)
+    finally:
+        _xla.COMMAND_BUFFERS = True
+    if profile:
+        _profile(profile, {"torch crt.apply_rope": lambda: crt.apply_rope(x, f, start_positions=sp),
+                           "cupy apply_rope": lambda: cupy_rope.apply_rope(xc, fc, start_positions=spc),
+                           "jax one jitted call": lambda: one(xj)})
+    # raw launch: cupy.RawKernel call vs driver launch of a prepared argument block (one int64 arg)
+    import ctypes
+
+    from cupy.cuda import driver
+
+    kern = cupy.RawKernel('extern "C" __global__ void nop(long long a) {}', "nop")
+    kern((1,), (32,), (np.int64(0),))
+    arg = ctypes.c_int64(0)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    fptr, stream = kern.kernel.ptr, cupy.cuda.get_current_stream().ptr
+    add("launch: cupy.RawKernel.__call__ (1 arg)", _wall_us(lambda: kern((1,), (32,), (np.int64(0),)), csync))
+    add("launch: cupy.cuda.driver.launchKernel, prepared args",
+        _wall_us(lambda: driver.launchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(argv), 0), csync))
+    try:
+        from cuda.bindings import driver as cbd  # noqa: F401
+
+        add("launch: cuda.bindings available", float("nan"), note="not measured")
+    except ImportError:
+        rows.append(dict(entry="launch: cuda.bindings.driver.cuLaunchKernel", us_per_call=None,
+                         formula_us_per_call=None, note="cuda-bindings not installed on the benchmark machine"))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here (merged into an existing file's rows)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated from {list(CONFIGS)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated from {list(MODES)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated from {list(KINDS)}")
+    ap.add_argument("--rounds", type=int, default=7, help="timing rounds per measurement")
+    ap.add_argument("--percall", action="store_true", help="also the per-call overhead table")
+    ap.add_argument("--no-model", action="store_true", help="skip the end-to-end model rows")
+    ap.add_argument("--profile", help="with --percall: write a cProfile of the eager hot paths here")
+    a = ap.parse_args(argv)
+    for name, allowed in (("configs", CONFIGS), ("modes", MODES), ("kinds", KINDS)):
+        bad = [v for v in getattr(a, name).split(",") if v and v not in allowed]
+        if bad:
+            ap.error(f"--{name}: unknown {bad}, expected some of {list(allowed)}")
+    from cupy_rope._dev.benchmark import gpu_missing
+
+    why = gpu_missing()
+    if why:
+        print(f"benchmarks/model.py needs a CUDA GPU: {why}", file=sys.stderr)
+        return 2
+    result = {"rows": [], "percall": []}
+    if a.json and os.path.exists(a.json):
+        with open(a.json) as fh:
+            result = json.load(fh)
+    if not a.no_model:
+        new = model_rows(a.configs.split(","), a.modes.split(","), a.kinds.split(","), a.rounds)
+        keep = {(r["framework"], r["mode"], r["config"], r["kind"]) for r in new}
+        result["rows"] = [r for r in result.get("rows", [])
+                          if (r["framework"], r["mode"], r["config"], r["kind"]) not in keep] + new
+    if a.percall:
+        result["percall"] = percall_rows(a.profile)
+    import torch
+
+    result["environment"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                 python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
+    result["command"] = "python benchmarks/model.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        import jax
+
+        result["environment"]["jax"] = jax.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

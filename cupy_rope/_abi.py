@@ -1,0 +1,80 @@
+"""The kernel parameter blocks (the launch ABI), packed from the one definition in the CUDA source.
+
+The field order of ``RopeParams``, ``QkvParams`` and ``PosArgs`` is read from ``kernels_cu/``
+(:func:`cupy_rope._kernels.struct_fields`); every field is a little-endian int64. A launch passes
+``blocks`` parameter blocks by value (the rope kernels take two: grid row 0 and row 1, e.g. q and
+k; a one-tensor launch sends the second block zeroed and never reads it). :class:`LaunchSpec`
+records where each address sits, so the launch cache patches addresses without re-packing.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from . import _kernels
+
+LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
+ROPE_FIELDS = _kernels.struct_fields("RopeParams")
+QKV_FIELDS = _kernels.struct_fields("QkvParams")
+INDEX_ARGS = ("cu_seqlens", "start_positions")  # addresses inside PosArgs
+
+
+def pack(fields, vals: dict) -> bytes:
+    """One parameter block: ``vals[f]`` for every field ``f`` in order, as little-endian int64."""
+    return struct.pack(f"<{len(fields)}q", *(int(vals[f]) for f in fields))
+
+
+def index_stride(a) -> int:
+    """Element stride of a 1-D index tensor (any sign, 0 included); 1 when absent."""
+    return 1 if a is None or not a.strides else a.strides[0]
+
+
+def pos_values(pos, cu, sp) -> dict:
+    """The ``pos.*`` fields of a parameter block (the kernels' PosArgs) from a resolved
+    :class:`cupy_rope._plan.Positions` and the index tensors' descriptors."""
+    return {"pos.layout": LAYOUT_CODES[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
+            "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
+            "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
+            "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,
+            "pos.cp_rank": pos.cp_rank}
+
+
+def ptr_slots(fields, names, base: int = 0) -> dict:
+    """{address name: 64-bit word index} of one block starting at word ``base``."""
+    slots = {n: base + fields.index(n) for n in names}
+    slots.update({n: base + fields.index(f"pos.{n}") for n in INDEX_ARGS})
+    return slots
+
+
+ROPE_PTR_SLOTS = ptr_slots(ROPE_FIELDS, ("x", "y", "freqs"))
+QKV_PTR_SLOTS = ptr_slots(QKV_FIELDS, ("packed", "q", "k", "v", "q_freqs", "k_freqs"))
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs: kernel, geometry, the packed parameter blocks, and the word
+    indices of each named address in them (an address may sit in several blocks)."""
+
+    name: str
+    grid: tuple  # (x, y)
+    block: int
+    params: bytes
+    slots: dict  # address name -> tuple of 64-bit word indices
+
+    def __iter__(self):  # name, grid, block, params = spec
+        return iter((self.name, self.grid, self.block, self.params))
+
+
+def rope_blocks(vals0: dict, vals1: dict | None) -> tuple[bytes, dict]:
+    """The rope kernels' two blocks: (params, slots). Tensor 0's addresses are named ``x``/``y``,
+    tensor 1's ``x2``/``y2``; the table and index tensors are shared (patched in both blocks)."""
+    n = len(ROPE_FIELDS)
+    b0 = pack(ROPE_FIELDS, vals0)
+    b1 = pack(ROPE_FIELDS, vals1) if vals1 is not None else bytes(8 * n)
+    slots = {k: (v,) for k, v in ROPE_PTR_SLOTS.items()}
+    if vals1 is not None:
+        slots["x2"], slots["y2"] = (n + ROPE_PTR_SLOTS["x"],), (n + ROPE_PTR_SLOTS["y"],)
+        for k in ("freqs",) + INDEX_ARGS:
+            slots[k] += (n + ROPE_PTR_SLOTS[k],)
+    return b0 + b1, slots

@@ -1,0 +1,473 @@
+"""The JAX implementation behind ``cupy_rope.jax`` (and the public API's JAX route): custom VJPs
+over the XLA launch (``_xla``) on a GPU and over the NumPy backend's formulas in ``jax.numpy`` on
+the CPU (jittable, same semantics).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _launch, _numpy_backend, _plan, _xla
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _info(a, ptr=0, device=("cpu", 0)):
+    """ArrayInfo of a JAX array, tracer or buffer (JAX arrays are always compact)."""
+    if a is None:
+        return None
+    shape = tuple(a.shape)
+    return _plan.ArrayInfo(shape, _plan.output_strides(shape), np.dtype(a.dtype).name, device, ptr)
+
+
+_ROPE_IN = [[("x", 0)], [("freqs", 0)], [("cu_seqlens", 0)], [("start_positions", 0)]]
+
+
+def _at(a, ptr, device):
+    """ArrayInfo of an array shaped like ``a`` (a ShapeDtypeStruct) at address ``ptr`` on CUDA
+    ``device``; None for None."""
+    return None if a is None else _info(a, ptr, ("cuda", device))
+
+
+def _shapes(*arrays):
+    """ShapeDtypeStructs of (traced) arrays: what a callback may keep (never the tracers)."""
+    return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+
+
+def _precompile(spec) -> None:
+    """The kernel a traced call launches, compiled before XLA runs (and records) it."""
+    _xla.precompile([spec.name])
+
+
+def _check_cpu_cu(plan, lead_shape, cu):
+    """CPU: a concrete ``cu_seqlens`` (not a tracer) is checked like the NumPy backend does."""
+    if plan.pos.layout == "thd" and cu is not None and not isinstance(cu, jax.core.Tracer):
+        from ._positions import check_cu_seqlens
+
+        check_cu_seqlens(plan.pos, lead_shape[0], np.asarray(cu))
+
+
+def _on_gpu(*arrays) -> bool:
+    for a in arrays:
+        if a is None:
+            continue
+        if isinstance(a, jax.core.Tracer):
+            return jax.default_backend() == "gpu"
+        try:
+            return next(iter(a.devices())).platform == "gpu"
+        except Exception:  # pragma: no cover
+            return jax.default_backend() == "gpu"
+    return False
+
+
+# ----------------------------------------------------------------------------- single tensor
+def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
+    plan = _plan.resolve_rope(_info(x), _info(freqs), layout, interleaved, _info(cu), _info(sp), cp_size,
+                              cp_rank, None, backward, x_name="grad" if backward else "x")
+    if not _on_gpu(x, freqs):
+        _check_cpu_cu(plan, tuple(x.shape[:-2]), cu)
+        return _numpy_backend.rope(jnp, plan, x, freqs, cu, sp)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    _precompile(plan.launch(_info(x), _info(x), _info(freqs), _info(cu), _info(sp), 1))
+
+    xs, fs, cs, ss = _shapes(x, freqs, cu, sp)
+
+    def build(addr, device):
+        return plan.launch(_at(xs, addr["x"], device), _at(xs, addr["y"], device), _at(fs, addr["freqs"], device),
+                           _at(cs, addr["cu_seqlens"], device), _at(ss, addr["start_positions"], device),
+                           _launch.sm_count(device))
+
+    return _xla.gpu_call(jax.ShapeDtypeStruct(x.shape, x.dtype), (x, freqs, cu, sp), _ROPE_IN, [[("y", 0)]], build)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _rope(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
+    return _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward)
+
+
+def _rope_fwd(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
+    return _rope(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward), (freqs, cu, sp)
+
+
+def _zero_cot(a):
+    if a is None:
+        return None
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jnp.zeros_like(a)
+
+
+def _rope_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
+    freqs, cu, sp = res
+    gx = _rope(g, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, not backward)
+    return gx, _zero_cot(freqs), _zero_cot(cu), _zero_cot(sp)
+
+
+_rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+def _per_rank(cp_size, cp_rank, fn):
+    """``fn(rank)`` for a static rank, or a ``lax.switch`` over all ranks for a traced one
+    (e.g. ``jax.lax.axis_index("cp")`` inside ``shard_map``)."""
+    if isinstance(cp_rank, (int, np.integer)):
+        return fn(int(cp_rank))
+    branches = [functools.partial(lambda r, _: fn(r), r) for r in range(int(cp_size))]
+    return jax.lax.switch(jnp.asarray(cp_rank, jnp.int32), branches, None)
+
+
+def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
+               cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_rope` for JAX arrays; jittable and differentiable in ``x``.
+
+    ``cp_rank`` may be a traced integer (``jax.lax.axis_index`` inside ``shard_map``): the call
+    then switches between the ``cp_size`` static-rank versions.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> crj.apply_rope(jnp.ones((16, 1, 2, 64)), f).shape
+        (16, 1, 2, 64)
+    """
+    return _per_rank(cp_size, cp_rank, lambda r: _rope(x, freqs, cu_seqlens, start_positions, layout,
+                                                       bool(interleaved), int(cp_size), r, False))
+
+
+def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
+                        start_positions=None, cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_rope_backward` for JAX arrays (differentiable: its VJP is the forward).
+
+    ``grad``: the forward input's shape and dtype; keywords as :func:`apply_rope`.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> crj.apply_rope_backward(jnp.ones((16, 1, 2, 64)), f).shape
+        (16, 1, 2, 64)
+    """
+    return _per_rank(cp_size, cp_rank, lambda r: _rope(grad, freqs, cu_seqlens, start_positions, layout,
+                                                       bool(interleaved), int(cp_size), r, True))
+
+
+# ----------------------------------------------------------------------------- q and k, one launch
+def _views_info(shape, dtype, views):
+    """ArrayInfos (address 0) of ``views`` = [(shape, strides, offset)] into a compact array."""
+    return [_plan.ArrayInfo(tuple(sh), tuple(st), np.dtype(dtype).name, ("cpu", 0), 0) for sh, st, _ in views]
+
+
+def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, views=None):
+    """q, k -> (q', k') in one launch. With ``views`` (fused entry) ``q`` is the fused projection
+    and ``k`` None: q and k are the strided views [(shape, strides, offset)] into it."""
+    names = ("dq", "dk") if backward else ("q", "k")
+    if views is None:
+        qi, ki = _info(q), _info(k)
+    else:
+        qi, ki = _views_info(q.shape, q.dtype, views)
+    pq, pk = _plan.resolve_rope_pair(qi, ki, _info(freqs), layout, interleaved, _info(cu), _info(sp), cp_size,
+                                     cp_rank, False, backward, names)
+    if not _on_gpu(q, freqs):
+        _check_cpu_cu(pq, tuple(qi.shape[:-2]), cu)
+        if views is not None:
+            q, k = (_view(q, v) for v in views)
+        return tuple(_numpy_backend.rope(jnp, p, a, freqs, cu, sp) for p, a in ((pq, q), (pk, k)))
+    shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
+    if qi.size == 0 and ki.size == 0:
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+    from ._worksplit import rope_launch
+
+    outs = [_info(s) for s in shapes]
+    _precompile(rope_launch([pq, pk], [(qi, outs[0]), (ki, outs[1])], _info(freqs), _info(cu), _info(sp), 1))
+
+    isz = np.dtype(q.dtype).itemsize
+    if views is None:
+        in_slots = [[("x", 0)], [("x2", 0)]]
+    else:
+        in_slots = [[("x", views[0][2] * isz), ("x2", views[1][2] * isz)], []]
+    in_slots += _ROPE_IN[1:]
+
+    fs, cs, ss = _shapes(freqs, cu, sp)
+
+    def build(addr, device):
+        xs = [_plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n]) for i, n in ((qi, "x"), (ki, "x2"))]
+        ys = [_at(s, addr[n], device) for s, n in zip(shapes, ("y", "y2"))]
+        return rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
+                           _at(cs, addr["cu_seqlens"], device), _at(ss, addr["start_positions"], device),
+                           _launch.sm_count(device))
+
+    return _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, [[("y", 0)], [("y2", 0)]], build)
+
+
+def _view(a, view):
+    """The strided view (shape, element strides, offset) of a compact jnp array, as a jnp array."""
+    shape, strides, off = view
+    flat = a.reshape(-1)
+    idx = off + sum(np.arange(n).reshape((-1,) + (1,) * (len(shape) - i - 1)) * s
+                    for i, (n, s) in enumerate(zip(shape, strides)))
+    return flat[idx]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _qk(q, k, freqs, cu_sp, layout, interleaved, cp_size, cp_rank, backward):
+    return _qk_impl(q, k, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward)
+
+
+def _qk_fwd(q, k, freqs, cu_sp, *static):
+    return _qk(q, k, freqs, cu_sp, *static), (freqs, cu_sp)
+
+
+def _qk_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
+    freqs, cu_sp = res
+    gq, gk = _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank, not backward)
+    return gq, gk, _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
+
+
+_qk.defvjp(_qk_fwd, _qk_bwd)
+
+
+def apply_rope_qk(q, k, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
+                  cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_rope_qk` for JAX arrays: ``(q', k')`` from one launch; jittable and
+    differentiable in ``q`` and ``k``. Under ``jit`` prefer :func:`apply_rope_qk_fused` when q and
+    k are slices of one projection (a slice passed to a kernel is materialised by XLA first).
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> q, k = crj.apply_rope_qk(jnp.ones((16, 1, 4, 64)), jnp.ones((16, 1, 2, 64)), f)
+        >>> q.shape, k.shape
+        ((16, 1, 4, 64), (16, 1, 2, 64))
+    """
+    return _per_rank(cp_size, cp_rank, lambda r: _qk(q, k, freqs, (cu_seqlens, start_positions), layout,
+                                                     bool(interleaved), int(cp_size), r, False))
+
+
+def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
+                           start_positions=None, cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_rope_qk_backward` for JAX arrays (differentiable: its VJP is the forward).
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> gq, gk = crj.apply_rope_qk_backward(jnp.ones((16, 1, 4, 64)), jnp.ones((16, 1, 2, 64)), f)
+        >>> gq.shape
+        (16, 1, 4, 64)
+    """
+    return _per_rank(cp_size, cp_rank, lambda r: _qk(dq, dk, freqs, (cu_seqlens, start_positions), layout,
+                                                     bool(interleaved), int(cp_size), r, True))
+
+
+def fused_views(shape, layout: str, num_q_heads=None, num_kv_heads=None):
+    """q and k views [(shape, element strides, offset)] of a compact fused projection of ``shape``:
+    ``lead + (3, h, d)`` (stacked q, k, v) or ``lead + ((hq + 2*hk) * d,)`` (concatenated, with
+    ``num_q_heads`` and ``num_kv_heads``); ``lead`` = (s, b), (b, s) or (t,) per ``layout``."""
+    layout = _plan.check_layout(layout)
+    nlead = 1 if layout == "thd" else 2
+    shape = tuple(shape)
+    st = _plan.output_strides(shape)
+    if len(shape) == nlead + 3:
+        if shape[nlead] != 3:
+            raise _plan._err("qkv", f"dimension {nlead} of size 3 (q, k, v) for a stacked projection",
+                             f"shape {shape}")
+        if num_q_heads is not None or num_kv_heads is not None:
+            raise _plan._err("num_q_heads", "None for a stacked [.., 3, h, d] projection", num_q_heads)
+        lead, lst = shape[:nlead], st[:nlead]
+        q = (lead + shape[-2:], lst + st[-2:], 0)
+        return [q, (q[0], q[1], st[nlead])]
+    if len(shape) != nlead + 1:
+        raise _plan._err("qkv", f"a {nlead + 3}-D [.., 3, h, d] or {nlead + 1}-D [.., (hq + 2*hk) * d] "
+                         f"projection for layout {layout!r}", f"shape {shape}")
+    hq = _plan.check_int("num_q_heads", num_q_heads, lo=1) if num_q_heads is not None else None
+    hk = _plan.check_int("num_kv_heads", num_kv_heads, lo=1) if num_kv_heads is not None else None
+    if hq is None or hk is None:
+        raise _plan._err("num_q_heads", "num_q_heads and num_kv_heads for a [.., (hq + 2*hk) * d] projection",
+                         f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}")
+    w = shape[-1]
+    if w % (hq + 2 * hk):
+        raise _plan._err("qkv", f"a last dimension divisible by hq + 2*hk = {hq + 2 * hk}", f"{w}")
+    d = w // (hq + 2 * hk)
+    lead, lst = shape[:nlead], st[:nlead]
+    return [(lead + (hq, d), lst + (d, 1), 0), (lead + (hk, d), lst + (d, 1), hq * d)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fused(qkv, freqs, cu_sp, views, layout, interleaved, cp_size, cp_rank, backward):
+    return _qk_impl(qkv, None, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views)
+
+
+def _fused_fwd(qkv, freqs, cu_sp, views, *static):
+    return _fused(qkv, freqs, cu_sp, views, *static), (qkv.shape, freqs, cu_sp)
+
+
+def _fused_bwd(views, layout, interleaved, cp_size, cp_rank, backward, res, g):
+    shape, freqs, cu_sp = res
+    gq, gk = _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank, not backward)
+    q_shape = views[0][0]
+    if len(shape) == len(q_shape) + 1:  # stacked lead + (3, h, d)
+        d = jnp.stack([gq, gk, jnp.zeros_like(gk)], axis=len(q_shape) - 2)
+    else:  # concatenated lead + ((hq + 2*hk) * d,): q heads, k heads, then zeros for v
+        lead = tuple(q_shape[:-2])
+        gq, gk = gq.reshape(lead + (-1,)), gk.reshape(lead + (-1,))
+        d = jnp.concatenate([gq, gk, jnp.zeros(lead + (shape[-1] - gq.shape[-1] - gk.shape[-1],), gq.dtype)], -1)
+    return d.reshape(shape), _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _hashable_views(views):
+    return tuple((tuple(sh), tuple(st), int(off)) for sh, st, off in views)
+
+
+def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_heads=None,
+                        interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+    """Rotate q and k read straight out of an unsliced fused projection, in one launch.
+
+    Under ``jit`` a custom call's operands are dense, so ``qkv[:, :, 0]`` would be copied before
+    the kernel runs; this entry reads q and k where they are in ``qkv``.
+
+    Args:
+        qkv: ``lead + (3, h, d)`` (q, k, v stacked) or ``lead + ((hq + 2*hk) * d,)`` (q heads, then
+            k heads, then v heads, concatenated; give ``num_q_heads`` = hq and ``num_kv_heads`` =
+            hk); ``lead`` = ``(s, b)`` (sbhd), ``(b, s)`` (bshd) or ``(t,)`` (thd).
+        Other arguments as :func:`apply_rope`.
+
+    Returns:
+        ``(q, k)``: ``lead + (hq, d)`` and ``lead + (hk, d)``, rotated; v stays in ``qkv``.
+        Differentiable in ``qkv`` (the v part of the gradient is zero).
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+        >>> q, k = crj.apply_rope_qk_fused(jnp.ones((2, 16, 3, 4, 64)), f, "bshd")
+        >>> q.shape
+        (2, 16, 4, 64)
+    """
+    views = _hashable_views(fused_views(qkv.shape, layout, num_q_heads, num_kv_heads))
+    return _per_rank(cp_size, cp_rank, lambda r: _fused(qkv, freqs, (cu_seqlens, start_positions), views,
+                                                        layout, bool(interleaved), int(cp_size), r, False))
+
+
+# ----------------------------------------------------------------------------- packed QKV
+def _qkv_plan(arrays, qf, kf, split, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    common = (_info(qf), _info(kf), split, layout, None, interleaved, _info(cu), _info(sp), cp_size, cp_rank)
+    if backward:
+        return _plan.resolve_qkv_backward(*(_info(a) for a in arrays), *common)
+    return _plan.resolve_qkv(_info(arrays[0]), *common)
+
+
+def _qkv_impl(arrays, qf, kf, cu, sp, split, layout, interleaved, cp_size, cp_rank, backward):
+    plan = _qkv_plan(arrays, qf, kf, split, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
+    dt = arrays[0].dtype
+    if not _on_gpu(*arrays):
+        _check_cpu_cu(plan, plan.lead_shape, cu)
+        fn = _numpy_backend.qkv_backward if backward else _numpy_backend.qkv_forward
+        return fn(jnp, plan, *arrays, qf, kf, cu, sp)
+    if backward:
+        shapes = jax.ShapeDtypeStruct(plan.packed_shape, dt)
+    else:
+        shapes = (jax.ShapeDtypeStruct(plan.q_shape, dt), jax.ShapeDtypeStruct(plan.kv_shape, dt),
+                  jax.ShapeDtypeStruct(plan.kv_shape, dt))
+    if arrays[0].size == 0:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    n = len(arrays)
+    infos = [_info(a) for a in arrays]
+    outs = [_info(jax.ShapeDtypeStruct(s.shape, s.dtype)) for s in jax.tree.leaves(shapes)]
+    views = (outs[0], *infos) if backward else (infos[0], *outs)
+    _precompile(plan.launch(*views, _info(qf), _info(kf), _info(cu), _info(sp), 1))
+
+    roles = ("q", "k", "v", "packed") if backward else ("packed", "q", "k", "v")
+    shaped = _shapes(*arrays) + tuple(jax.tree.leaves(shapes))  # in role order
+    qfs, kfs, cs, ss = _shapes(qf, kf, cu, sp)
+    in_slots = [[(r, 0)] for r in roles[:n]] + [[("q_freqs", 0)], [("k_freqs", 0)], [("cu_seqlens", 0)],
+                                                  [("start_positions", 0)]]
+
+    def build(addr, device):
+        by_role = {r: _at(a, addr[r], device) for r, a in zip(roles, shaped)}
+        return plan.launch(by_role["packed"], by_role["q"], by_role["k"], by_role["v"],
+                           _at(qfs, addr["q_freqs"], device), _at(kfs, addr["k_freqs"], device),
+                           _at(cs, addr["cu_seqlens"], device), _at(ss, addr["start_positions"], device),
+                           _launch.sm_count(device))
+
+    return _xla.gpu_call(shapes, tuple(arrays) + (qf, kf, cu, sp), in_slots, [[(r, 0)] for r in roles[n:]], build)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _qkv_fwd_p(qkv, qf, kf, cu_sp, split, layout, interleaved, cp_size, cp_rank):
+    return _qkv_impl((qkv,), qf, kf, *cu_sp, split, layout, interleaved, cp_size, cp_rank, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _qkv_bwd_p(grads, qf, kf, cu_sp, split, layout, interleaved, cp_size, cp_rank):
+    return _qkv_impl(tuple(grads), qf, kf, *cu_sp, split, layout, interleaved, cp_size, cp_rank, True)
+
+
+def _qkv_fwd_fwd(qkv, qf, kf, cu_sp, *static):
+    return _qkv_fwd_p(qkv, qf, kf, cu_sp, *static), (qf, kf, cu_sp)
+
+
+def _qkv_fwd_bwd(*args):
+    static, (res, g) = args[:5], args[5:]
+    qf, kf, cu_sp = res
+    d = _qkv_bwd_p(tuple(g), qf, kf, cu_sp, *static)
+    return d, _zero_cot(qf), _zero_cot(kf), tuple(_zero_cot(a) for a in cu_sp)
+
+
+def _qkv_bwd_fwd(grads, qf, kf, cu_sp, *static):
+    return _qkv_bwd_p(grads, qf, kf, cu_sp, *static), (qf, kf, cu_sp)
+
+
+def _qkv_bwd_bwd(*args):
+    static, (res, g) = args[:5], args[5:]
+    qf, kf, cu_sp = res
+    q, k, v = _qkv_fwd_p(g, qf, kf, cu_sp, *static)
+    return (q, k, v), _zero_cot(qf), _zero_cot(kf), tuple(_zero_cot(a) for a in cu_sp)
+
+
+_qkv_fwd_p.defvjp(_qkv_fwd_fwd, _qkv_fwd_bwd)
+_qkv_bwd_p.defvjp(_qkv_bwd_fwd, _qkv_bwd_bwd)
+
+
+def _static_split(groups, width, split, num_q_heads, arg):
+    n, d = _plan.qkv_heads(split, num_q_heads, groups, width, arg)
+    return (n * d, d, d)
+
+
+def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None, interleaved=False,
+                   cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_qkv_rope` for JAX arrays: ``(q, k, v)``, differentiable in ``qkv``.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 8))
+        >>> q, k, v = crj.apply_qkv_rope(jnp.ones((8, 1, 2, 384)), f, f, split=(256, 64, 64))
+        >>> q.shape
+        (8, 1, 8, 64)
+    """
+    sp = _static_split(qkv.shape[-2], qkv.shape[-1], split, num_q_heads, "qkv")
+    return _per_rank(cp_size, cp_rank, lambda r: _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions),
+                                                            sp, layout, bool(interleaved), int(cp_size), r))
+
+
+def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None,
+                            interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+    """:func:`cupy_rope.apply_qkv_rope_backward` for JAX arrays: ``dq [.., g*n, d]``,
+    ``dk``/``dv [.., g, d]`` -> packed ``dqkv [.., g, (n+2)*d]``.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 8))
+        >>> crj.apply_qkv_rope_backward(jnp.ones((8, 1, 8, 64)), jnp.ones((8, 1, 2, 64)),
+        ...                             jnp.ones((8, 1, 2, 64)), f, f).shape
+        (8, 1, 2, 384)
+    """
+    g, d = dk.shape[-2], dk.shape[-1]
+    n = dq.shape[-2] // max(g, 1)
+    sp = _static_split(g, (n + 2) * d, split, num_q_heads, "dqkv") if (split is not None or num_q_heads is not None) \
+        else (n * d, d, d)
+    return _per_rank(cp_size, cp_rank, lambda r: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs,
+                                                            (cu_seqlens, start_positions), sp, layout,
+                                                            bool(interleaved), int(cp_size), r))

@@ -1,0 +1,122 @@
+"""The work split: vector width, threads per unit of work, grid; and the launch specs built from
+a resolved plan and the arrays' descriptors (framework-neutral, no device needed).
+
+The rope and QKV kernels (``kernels_cu/rope.cu``, ``qkv_rope.cu``) share one split: each token
+has sets of rows (rope: heads; QKV: a group's n + 2 heads), each row units of channels; a thread
+takes one unit of the rows c, c + C, ... of one set and computes that unit's cos/sin once.
+"""
+
+from __future__ import annotations
+
+from . import _abi, _kernels
+from ._plan import ITEMSIZE, norm_strides, split_tokens, token_strides
+
+# Resident threads per SM the grid aims at; the rest of the rows loop inside threads. Like
+# _MAX_VEC_BYTES (widest vector; 0: 16 bytes), a fixed constant of the library: only the
+# benchmark harness changes it, in its own process (benchmarks/run.py --tune).
+_THREADS_PER_SM = 512
+_MAX_VEC_BYTES = 0
+
+
+def pick_vec(dtype: str, ds, d2: int, arrays) -> int:
+    """Widest vector (elements, at most 16 bytes, or ``_MAX_VEC_BYTES``) valid for every
+    head dim in ``ds`` and every (ptr, row strides, channel stride) in ``arrays``."""
+    isz = ITEMSIZE[dtype]
+    max_bytes = _MAX_VEC_BYTES or 16
+    h2 = d2 // 2
+    for v in sorted(_kernels.vector_widths(dtype), reverse=True):
+        if v == 1:
+            return 1
+        if h2 % v or any(d % v for d in ds) or v * isz > max_bytes:
+            continue
+        if all(sd == 1 and not ptr % (v * isz) and not any(s % v for s in row_strides)
+               for ptr, row_strides, sd in arrays):
+            return v
+    return 1
+
+
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
+    """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
+    n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
+    units of ``tail_w`` vectors. A thread takes one unit of the rows c, c + C, ... of one set
+    (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
+    ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
+    threads = n_tok * n_sets * C * n_units.
+    """
+    n_rot = d2 // 2 // vec
+    tail = d - d2
+    tail_w = 2 if tail % (2 * vec) == 0 else 1
+    n_units = n_rot + tail // (tail_w * vec)
+    per_chunk = n_tok * n_sets * n_units
+    chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
+    return n_rot, n_units, tail_w, chunks, per_chunk * chunks
+
+
+def blocks_for(threads: int) -> int:
+    return -(-threads // _kernels.BLOCK)
+
+
+def _vec_arrays(*arrays):
+    """(ptr, row strides, channel stride) of each array, size-1 strides zeroed."""
+    out = []
+    for a in arrays:
+        st = norm_strides(a.shape, a.strides)
+        out.append((a.ptr, st[:-1], st[-1]))
+    return out
+
+
+def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
+    """(block values, blocks) of one tensor of a rope launch."""
+    n_tok, n_inner, _ = split_tokens(plan.layout, x.shape)
+    xs0, xs1 = token_strides(plan.layout, x)
+    ys0, ys1 = token_strides(plan.layout, y)
+    xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
+    n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
+                                                         vec, sm_count)
+    vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
+                xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
+                n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
+                n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
+                f_scol=plan.table.scol)
+    return vals, blocks_for(threads)
+
+
+def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int) -> _abi.LaunchSpec:
+    """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
+    alike; two plans share dtype, direction, layout, positions and table): grid row i runs
+    tensor i. The vector width is the widest valid for every array of the launch."""
+    p0 = plans[0]
+    arrays = [a for xy in tensors for a in xy]
+    vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays))
+    pos = _abi.pos_values(p0.pos, cu, sp)
+    blocks, grid = [], 0
+    for plan, (x, y) in zip(plans, tensors):
+        vals, nb = _rope_vals(plan, x, y, freqs, vec, sm_count)
+        blocks.append({**vals, **pos})
+        grid = max(grid, nb)
+    params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
+    name = _kernels.kernel_name("rope", p0.dtype, vec, p0.interleaved, p0.backward)
+    return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)
+
+
+def qkv_launch(plan, packed, q, k, v, q_freqs, k_freqs, cu, sp, sm_count: int) -> _abi.LaunchSpec:
+    """The packed-QKV launch (one parameter block)."""
+    n_tok, n_inner, _ = split_tokens(plan.layout, packed.shape)
+    vec = pick_vec(plan.dtype, [plan.d], plan.q_table.d2, _vec_arrays(packed, q, k, v))
+    n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, plan.groups, plan.n_q + 2, plan.d,
+                                                         plan.q_table.d2, vec, sm_count)
+    vals = dict(packed=packed.ptr, q=q.ptr, k=k.ptr, v=v.ptr, q_freqs=q_freqs.ptr,
+                k_freqs=k_freqs.ptr, n_tok=n_tok, n_inner=n_inner, n_groups=plan.groups,
+                n_q=plan.n_q, d=plan.d, d2=plan.q_table.d2, n_chunks=chunks, n_units=n_units,
+                n_rot_units=n_rot, tail_w=tail_w, k_same_table=plan.k_same_table)
+    for pre, a in (("p", packed), ("q", q), ("k", k), ("v", v)):
+        s0, s1 = token_strides(plan.layout, a)
+        st = norm_strides(a.shape, a.strides)
+        vals.update({f"{pre}s0": s0, f"{pre}s1": s1, f"{pre}s{'g' if pre == 'p' else 'h'}": st[-2],
+                     f"{pre}sd": st[-1]})
+    for pre, t in (("qf", plan.q_table), ("kf", plan.k_table)):
+        vals.update({f"{pre}_rows": t.rows, f"{pre}_srow": t.srow, f"{pre}_scol": t.scol})
+    params = _abi.pack(_abi.QKV_FIELDS, {**vals, **_abi.pos_values(plan.pos, cu, sp)})
+    name = _kernels.kernel_name("qkv", plan.dtype, vec, plan.interleaved, plan.backward)
+    slots = {k_: (v_,) for k_, v_ in _abi.QKV_PTR_SLOTS.items()}
+    return _abi.LaunchSpec(name, (blocks_for(threads), 1), _kernels.BLOCK, params, slots)
