@@ -108,6 +108,13 @@ def _jax_ops():
 # which bypasses the cache.
 _CACHE: dict = {}
 _CACHE_MAX = 4096
+_STATS = {"hits": 0, "misses": 0}
+
+
+def cache_info() -> dict:
+    """Launch-cache counters: ``hits`` (calls that only patched addresses into a prepared launch),
+    ``misses`` (calls that were validated and planned in full), ``size`` (prepared launches kept)."""
+    return dict(_STATS, size=len(_CACHE))
 _KINDS: dict = {}  # array type -> "torch" / "cupy" / None (the exact types the cache serves)
 
 
@@ -185,6 +192,7 @@ def _cached_call(key, ptrs, arrays, kind):
     launch on the caller's current stream. Returns the new outputs, or None on a miss."""
     entry = _CACHE.get(key)
     if entry is None:
+        _STATS["misses"] += 1
         return None
     prepared, outputs, order = entry
     results = []
@@ -195,6 +203,7 @@ def _cached_call(key, ptrs, arrays, kind):
         ptrs.append(p)
         results.append(y)
     prepared(_interop.current_stream(kind, prepared.device), [ptrs[i] for i in order])
+    _STATS["hits"] += 1
     return results
 
 
