@@ -100,128 +100,9 @@ def _jax_ops():
     return _jax_ops
 
 
-# ----------------------------------------------------------------------------- launch cache
-# A repeated call with the same shapes, strides, dtypes, devices, options and address alignment
-# reuses the launch its first call resolved (and validated): per call only the key is built, the
-# outputs allocated (by the caller's framework) and the addresses written into the prepared
-# parameter blocks (cupy_rope._launch.Prepared). Index contents are checked only in debug mode,
-# which bypasses the cache.
-_CACHE: dict = {}
-_CACHE_MAX = 4096
-_STATS = {"hits": 0, "misses": 0}
-
-
-def cache_info() -> dict:
-    """Launch-cache counters: ``hits`` (calls that only patched addresses into a prepared launch),
-    ``misses`` (calls that were validated and planned in full), ``size`` (prepared launches kept)."""
-    return dict(_STATS, size=len(_CACHE))
-_KINDS: dict = {}  # array type -> "torch" / "cupy" / None (the exact types the cache serves)
-
-
-def _kind_of_type(t):
-    k = _KINDS.get(t, 0)
-    if k == 0:
-        mod, name = t.__module__, t.__name__
-        k = ("torch" if mod == "torch" and name == "Tensor" else
-             "cupy" if mod.startswith("cupy") and name == "ndarray" else None)
-        _KINDS[t] = k
-    return k
-
-
-def _cache_kind(a):
-    """'torch' (a plain CUDA tensor), 'cupy' or None: the array kinds the launch cache serves."""
-    k = _kind_of_type(type(a))
-    if k == "torch" and not a.is_cuda:
-        return None
-    return k
-
-
-def _descs_torch(arrays, descs, ptrs) -> bool:
-    for a in arrays:
-        if a is None:
-            descs.append(None)
-            ptrs.append(0)
-            continue
-        if _KINDS.get(type(a)) != "torch" or not a.is_cuda:
-            return False
-        p = a.data_ptr()
-        descs.append((a.shape, a.stride(), a.dtype, a.get_device(), p & 15))
-        ptrs.append(p)
-    return True
-
-
-def _descs_cupy(arrays, descs, ptrs) -> bool:
-    for a in arrays:
-        if a is None:
-            descs.append(None)
-            ptrs.append(0)
-            continue
-        if _KINDS.get(type(a)) != "cupy":
-            return False
-        p = a.data.ptr
-        descs.append((a.shape, a.strides, a.dtype, a.device.id, p & 15))
-        ptrs.append(p)
-    return True
-
-
-_DESCS = {"torch": _descs_torch, "cupy": _descs_cupy}
-
-
-def _cache_key(kind, head: tuple, opts: tuple, arrays):
-    """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
-    kind, an unhashable option). Options are keyed with their types: only calls whose exact
-    options a first call validated can hit."""
-    descs, ptrs = [], []
-    if not _DESCS[kind](arrays, descs, ptrs):
-        return None, None
-    key = (head, opts, tuple(map(type, opts)), tuple(descs))
-    try:
-        hash(key)
-    except TypeError:
-        return None, None
-    return key, ptrs
-
-
 def _alloc(kind, like, shape, transposed=False):
     """A new output (and its address) in ``like``'s framework, device and dtype."""
     return _interop.empty_like(kind, like, shape, transposed)
-
-
-def _cached_call(key, ptrs, arrays, kind):
-    """Run the cached launch of ``key`` (if any): allocate its outputs, patch every address,
-    launch on the caller's current stream. Returns the new outputs, or None on a miss."""
-    entry = _CACHE.get(key)
-    if entry is None:
-        _STATS["misses"] += 1
-        return None
-    prepared, outputs, order = entry
-    results = []
-    for like, shape, transposed, same, align in outputs:
-        y, p = _interop.empty_like(kind, arrays[like], shape, transposed, same)
-        if p & 15 != align:
-            return None  # alignment differs from the cached plan's: take the full path
-        ptrs.append(p)
-        results.append(y)
-    prepared(_interop.current_stream(kind, prepared.device), [ptrs[i] for i in order])
-    _STATS["hits"] += 1
-    return results
-
-
-def _cache_put(key, prepared, outputs, order):
-    """Remember a launch: ``outputs`` = [(index of the array to allocate like, shape, transposed,
-    address % 16)] allocated per call; ``order`` = indices into (key addresses + output
-    addresses) in ``prepared``'s name order."""
-    if key is None or prepared is None:
-        return
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
-    _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
-                              for i, shape, tr, al in outputs], order)
-
-
-def _same_shape(key, i, shape) -> bool:
-    d = key[-1][i]
-    return d is not None and tuple(d[0]) == tuple(shape)
 
 
 _ROPE_NAMES = ("x", "freqs", "cu_seqlens", "start_positions", "y")
@@ -233,10 +114,13 @@ def _launch_gpu(spec, kind, dev, names):
     return _launch.launch(spec, _interop.current_stream(kind, dev), dev, names)
 
 
+cache_info = _launch.cache_info
+
+
 def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, out,
           transpose_output_memory, backward: bool, x_name: str):
     key = None
-    kind = _cache_kind(x)
+    kind = _launch.cache_kind(x)
     if kind is None and _jax_route(x, out, transpose_output_memory):
         fn = _jax_ops().apply_rope_backward if backward else _jax_ops().apply_rope
         return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
@@ -244,12 +128,12 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
     # cached launches skip validation: only for outputs that cannot overlap the input differently
     if kind is not None and not _DEBUG[0] and (out is None or out is x):
         arrays = (x, freqs, cu_seqlens, start_positions)
-        key, ptrs = _cache_key(kind, ("rope", backward, out is None),
+        key, ptrs = _launch.cache_key(kind, ("rope", backward, out is None),
                                (layout, interleaved, cp_size, cp_rank, transpose_output_memory), arrays)
         if key is not None:
             if out is not None:
                 ptrs.append(ptrs[0])
-            res = _cached_call(key, ptrs, arrays, kind)
+            res = _launch.cached_call(key, ptrs, arrays, kind)
             if res is not None:
                 return out if out is not None else res[0]
     args = _Args(**{x_name: x}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions,
@@ -280,7 +164,7 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
                            args.infos["start_positions"], _launch.sm_count(dev))
         prepared = _launch_gpu(spec, kind, dev, _ROPE_NAMES)
         outputs = [] if out is not None else [(0, plan.shape, plan.transpose_output, yi.ptr & 15)]
-        _cache_put(key, prepared, outputs, (0, 1, 2, 3, 4))
+        _launch.cache_put(key, prepared, outputs, (0, 1, 2, 3, 4))
     return y
 
 
@@ -288,7 +172,7 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
              inplace, backward: bool, names=("q", "k")):
     """q and k (same tokens, positions and table) in one launch: grid row 0 runs q, row 1 k."""
     key = None
-    kind = _cache_kind(q)
+    kind = _launch.cache_kind(q)
     if kind is None and _jax_route(q, None, False):
         if inplace is not False:
             raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
@@ -298,11 +182,11 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
     if kind is not None and not _DEBUG[0]:
         arrays = (q, k, freqs, cu_seqlens, start_positions)
-        key, ptrs = _cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace), arrays)
+        key, ptrs = _launch.cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace), arrays)
         if key is not None:
             if inplace is True:
                 ptrs += ptrs[:2]
-            res = _cached_call(key, ptrs, arrays, kind)
+            res = _launch.cached_call(key, ptrs, arrays, kind)
             if res is not None:
                 return (q, k) if inplace is True else tuple(res)
     nq, nk = names
@@ -341,7 +225,7 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
                            inf["start_positions"], _launch.sm_count(dev))
         prepared = _launch_gpu(spec, kind, dev, _QK_NAMES)
         outputs = [] if inplace else [(i, p.shape, False, yi.ptr & 15) for i, p, yi in zip((0, 1), (pq, pk), yis)]
-        _cache_put(key, prepared, outputs, tuple(range(7)))
+        _launch.cache_put(key, prepared, outputs, tuple(range(7)))
     return tuple(ys)
 
 
@@ -456,7 +340,7 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
          start_positions, cp_size, cp_rank, backward: bool):
     first = next(iter(arrays.values()))
     key = None
-    kind = _cache_kind(first)
+    kind = _launch.cache_kind(first)
     if kind is None and _jax_route(first):
         fn = _jax_ops().apply_qkv_rope_backward if backward else _jax_ops().apply_qkv_rope
         return fn(*arrays.values(), q_freqs, k_freqs, split, layout, num_q_heads=num_q_heads,
@@ -465,10 +349,10 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     if kind is not None and not _DEBUG[0]:
         split_key = tuple(split) if isinstance(split, (tuple, list)) else split
         named = (*arrays.values(), q_freqs, k_freqs, cu_seqlens, start_positions)
-        key, ptrs = _cache_key(kind, ("qkv", backward, q_freqs is k_freqs),
+        key, ptrs = _launch.cache_key(kind, ("qkv", backward, q_freqs is k_freqs),
                                (layout, interleaved, cp_size, cp_rank, num_q_heads, split_key), named)
         if key is not None:
-            res = _cached_call(key, ptrs, named, kind)
+            res = _launch.cached_call(key, ptrs, named, kind)
             if res is not None:
                 return res[0] if backward else tuple(res)
     args = _Args(**arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
@@ -517,7 +401,7 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
             outputs = [(0, shape, False, a.ptr & 15) for shape, a in
                        ((plan.q_shape, qi), (plan.kv_shape, ki), (plan.kv_shape, vi))]
             order = (0, 5, 6, 7, 1, 2, 3, 4)
-        _cache_put(key, prepared, outputs, order)
+        _launch.cache_put(key, prepared, outputs, order)
     return result
 
 

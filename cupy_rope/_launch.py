@@ -1,4 +1,5 @@
-"""Compile and launch: NVRTC through CuPy ``RawModule``, launches through ``cuLaunchKernel``.
+"""Compile and launch: NVRTC through CuPy ``RawModule``, launches through ``cuLaunchKernel``,
+and the launch cache of the public API.
 
 Each kernel instantiation is compiled on first use (one small module per kernel, so the first
 call compiles one kernel, not all of them) and cached per device by CuPy (memory and disk).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from . import _kernels
+from . import _interop, _kernels
 
 _lock = threading.Lock()
 _functions: dict = {}  # (device, name) -> (module, function pointer, context)
@@ -112,3 +113,124 @@ def launch(spec, stream: int, device: int, names=()) -> Prepared | None:
     prepared = Prepared(spec, device, names)
     prepared(stream, ())
     return prepared
+
+
+# ----------------------------------------------------------------------------- launch cache
+# The public API's launch cache. A repeated call with the same shapes, strides, dtypes, devices,
+# options and address alignment reuses the launch its first call resolved (and validated): per
+# call only the key is built, the outputs allocated (by the caller's framework) and the addresses
+# written into the prepared parameter blocks (Prepared). Index contents are checked only in debug
+# mode, which bypasses the cache.
+_CACHE: dict = {}
+_CACHE_MAX = 4096
+_STATS = {"hits": 0, "misses": 0}
+
+
+def cache_info() -> dict:
+    """Launch-cache counters: ``hits`` (calls that only patched addresses into a prepared launch),
+    ``misses`` (calls that were validated and planned in full), ``size`` (prepared launches kept)."""
+    return dict(_STATS, size=len(_CACHE))
+
+
+_KINDS: dict = {}  # array type -> "torch" / "cupy" / None (the exact types the cache serves)
+
+
+def _kind_of_type(t):
+    k = _KINDS.get(t, 0)
+    if k == 0:
+        mod, name = t.__module__, t.__name__
+        k = ("torch" if mod == "torch" and name == "Tensor" else
+             "cupy" if mod.startswith("cupy") and name == "ndarray" else None)
+        _KINDS[t] = k
+    return k
+
+
+def cache_kind(a):
+    """'torch' (a plain CUDA tensor), 'cupy' or None: the array kinds the launch cache serves."""
+    k = _kind_of_type(type(a))
+    if k == "torch" and not a.is_cuda:
+        return None
+    return k
+
+
+def _descs_torch(arrays, descs, ptrs) -> bool:
+    for a in arrays:
+        if a is None:
+            descs.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "torch" or not a.is_cuda:
+            return False
+        p = a.data_ptr()
+        descs.append((a.shape, a.stride(), a.dtype, a.get_device(), p & 15))
+        ptrs.append(p)
+    return True
+
+
+def _descs_cupy(arrays, descs, ptrs) -> bool:
+    for a in arrays:
+        if a is None:
+            descs.append(None)
+            ptrs.append(0)
+            continue
+        if _KINDS.get(type(a)) != "cupy":
+            return False
+        p = a.data.ptr
+        descs.append((a.shape, a.strides, a.dtype, a.device.id, p & 15))
+        ptrs.append(p)
+    return True
+
+
+_DESCS = {"torch": _descs_torch, "cupy": _descs_cupy}
+
+
+def cache_key(kind, head: tuple, opts: tuple, arrays):
+    """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
+    kind, an unhashable option). Options are keyed with their types: only calls whose exact
+    options a first call validated can hit."""
+    descs, ptrs = [], []
+    if not _DESCS[kind](arrays, descs, ptrs):
+        return None, None
+    key = (head, opts, tuple(map(type, opts)), tuple(descs))
+    try:
+        hash(key)
+    except TypeError:
+        return None, None
+    return key, ptrs
+
+
+def cached_call(key, ptrs, arrays, kind):
+    """Run the cached launch of ``key`` (if any): allocate its outputs, patch every address,
+    launch on the caller's current stream. Returns the new outputs, or None on a miss."""
+    entry = _CACHE.get(key)
+    if entry is None:
+        _STATS["misses"] += 1
+        return None
+    prepared, outputs, order = entry
+    results = []
+    for like, shape, transposed, same, align in outputs:
+        y, p = _interop.empty_like(kind, arrays[like], shape, transposed, same)
+        if p & 15 != align:
+            return None  # alignment differs from the cached plan's: take the full path
+        ptrs.append(p)
+        results.append(y)
+    prepared(_interop.current_stream(kind, prepared.device), [ptrs[i] for i in order])
+    _STATS["hits"] += 1
+    return results
+
+
+def cache_put(key, prepared, outputs, order):
+    """Remember a launch: ``outputs`` = [(index of the array to allocate like, shape, transposed,
+    address % 16)] allocated per call; ``order`` = indices into (key addresses + output
+    addresses) in ``prepared``'s name order."""
+    if key is None or prepared is None:
+        return
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
+                              for i, shape, tr, al in outputs], order)
+
+
+def _same_shape(key, i, shape) -> bool:
+    d = key[-1][i]
+    return d is not None and tuple(d[0]) == tuple(shape)

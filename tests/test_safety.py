@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _api, _plan
+from cupy_rope import _api, _launch, _plan
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from reference import assert_close_to_ref, rope_ref
@@ -158,10 +158,10 @@ def test_options_validated_before_cache_keys():
                      (dict(transpose_output_memory=[1]), "transpose_output_memory")):
         with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
             cupy_rope.apply_rope(X, F, **kw)
-    key, ptrs = _api._cache_key("cupy", ("rope",), ([1],), ())  # unhashable: not cacheable
+    key, ptrs = _launch.cache_key("cupy", ("rope",), ([1],), ())  # unhashable: not cacheable
     assert key is None and ptrs is None
     # options are keyed with their types: interleaved=1 never hits the entry of interleaved=True
-    assert _api._cache_key("cupy", ("rope",), (True,), ())[0] != _api._cache_key("cupy", ("rope",), (1,), ())[0]
+    assert _launch.cache_key("cupy", ("rope",), (True,), ())[0] != _launch.cache_key("cupy", ("rope",), (1,), ())[0]
 
 
 def test_read_only_out_is_a_named_error_and_nothing_written():
