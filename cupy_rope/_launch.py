@@ -96,13 +96,12 @@ class Prepared:
                 for s in slots:
                     buf[s] = p
             if drv.ctxGetCurrent() == self.ctx:
-                drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream,
-                                 ctypes.addressof(self.argv), 0)
+                drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
                 return
-        import cupy
+            import cupy
 
-        with cupy.cuda.Device(self.device), self.lock:
-            drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
+            with cupy.cuda.Device(self.device):  # another device is current: launch in this one's context
+                drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
 
 
 def launch(spec, stream: int, device: int, names=()) -> Prepared | None:
