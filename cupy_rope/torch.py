@@ -1,7 +1,8 @@
 """PyTorch shim: differentiable RoPE ops that work under ``torch.compile`` and CUDA graphs.
 
-The ops are ``torch.library`` custom ops (``cupy_rope::rope``, ``cupy_rope::qkv_rope``,
-``cupy_rope::qkv_rope_backward``) with fake implementations and registered autograd. RoPE is
+The ops are ``torch.library`` operators: ``cupy_rope::rope``, ``rope_qk`` (q and k in one
+launch), in-place ``rope_qk_`` (defined on the dispatcher with CUDA, CPU and fake kernels and an
+autograd kernel of their own), ``qkv_rope`` and ``qkv_rope_backward`` (``custom_op``). RoPE is
 linear in its input, so each op's gradient is the other direction's op: gradients of any
 order are exact. CUDA tensors run the CUDA kernels on torch's current stream, outputs come
 from torch's caching allocator; CPU tensors run the NumPy backend. The angle tables,
