@@ -100,11 +100,6 @@ def _jax_ops():
     return _jax_ops
 
 
-def _alloc(kind, like, shape, transposed=False):
-    """A new output (and its address) in ``like``'s framework, device and dtype."""
-    return _interop.empty_like(kind, like, shape, transposed)
-
-
 _ROPE_NAMES = ("x", "freqs", "cu_seqlens", "start_positions", "y")
 _QK_NAMES = ("x", "x2", "freqs", "cu_seqlens", "start_positions", "y", "y2")
 _QKV_NAMES = ("packed", "q", "k", "v", "q_freqs", "k_freqs", "cu_seqlens", "start_positions")
@@ -151,10 +146,10 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         if out is None and not plan.transpose_output:
             return _interop.from_numpy(np.ascontiguousarray(y), kind)
         if out is None:
-            out = _alloc(kind, native, plan.shape, True)[0]
+            out = _interop.empty_like(kind, native, plan.shape, True)[0]
         _interop.write_into(out, args.kinds["out"] or kind, y)
         return out
-    y = out if out is not None else _alloc(kind, native, plan.shape, plan.transpose_output)[0]
+    y = out if out is not None else _interop.empty_like(kind, native, plan.shape, plan.transpose_output)[0]
     if where == "meta":
         return y
     dev = xi.device[1]
@@ -213,7 +208,7 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
                 res.append(_interop.from_numpy(np.ascontiguousarray(y), args.kinds[n]))
         return tuple(res)
     natives = [args.native[n] for n in names]
-    ys = natives if inplace else [_alloc(kind, a, p.shape)[0] for a, p in zip(natives, (pq, pk))]
+    ys = natives if inplace else [_interop.empty_like(kind, a, p.shape)[0] for a, p in zip(natives, (pq, pk))]
     if where == "meta":
         return tuple(ys)
     dev = inf[nq].device[1]
@@ -380,12 +375,12 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     dev = ri.device[1]
     native = args.native[ref]
     if backward:
-        packed = _alloc(kind, native, plan.packed_shape)[0]
+        packed = _interop.empty_like(kind, native, plan.packed_shape)[0]
         pi = _interop.info(packed, kind)
         qi, ki, vi = inf["dq"], inf["dk"], inf["dv"]
         result = packed
     else:
-        q, k, v = (_alloc(kind, native, shape)[0]
+        q, k, v = (_interop.empty_like(kind, native, shape)[0]
                    for shape in (plan.q_shape, plan.kv_shape, plan.kv_shape))
         pi, qi, ki, vi = ri, _interop.info(q, kind), _interop.info(k, kind), _interop.info(v, kind)
         result = (q, k, v)
