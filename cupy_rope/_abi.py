@@ -13,8 +13,8 @@ import struct
 from dataclasses import dataclass
 
 from . import _kernels
+from ._plan import LAYOUTS
 
-LAYOUT_CODES = {"sbhd": 0, "bshd": 1, "thd": 2}
 ROPE_FIELDS = _kernels.struct_fields("RopeParams")
 QKV_FIELDS = _kernels.struct_fields("QkvParams")
 INDEX_ARGS = ("cu_seqlens", "start_positions")  # addresses inside PosArgs
@@ -33,7 +33,7 @@ def index_stride(a) -> int:
 def pos_values(pos, cu, sp) -> dict:
     """The ``pos.*`` fields of a parameter block (the kernels' PosArgs) from a resolved
     :class:`cupy_rope._plan.Positions` and the index tensors' descriptors."""
-    return {"pos.layout": LAYOUT_CODES[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
+    return {"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
             "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
             "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
             "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,

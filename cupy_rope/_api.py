@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _interop, _launch, _numpy_backend, _plan
 from ._positions import check_cu_seqlens, check_index_contents
+from ._worksplit import rope_launch
 
 _DEBUG = [os.environ.get("CUPY_ROPE_DEBUG", "") not in ("", "0")]
 
@@ -100,9 +101,12 @@ def _jax_ops():
     return _jax_ops
 
 
+# Address names of each launch, in the order the launch cache passes addresses: the key's arrays,
+# then the outputs.
 _ROPE_NAMES = ("x", "freqs", "cu_seqlens", "start_positions", "y")
 _QK_NAMES = ("x", "x2", "freqs", "cu_seqlens", "start_positions", "y", "y2")
-_QKV_NAMES = ("packed", "q", "k", "v", "q_freqs", "k_freqs", "cu_seqlens", "start_positions")
+_QKV_FWD_NAMES = ("packed", "q_freqs", "k_freqs", "cu_seqlens", "start_positions", "q", "k", "v")
+_QKV_BWD_NAMES = ("q", "k", "v", "q_freqs", "k_freqs", "cu_seqlens", "start_positions", "packed")
 
 
 def _launch_gpu(spec, kind, dev, names):
@@ -159,7 +163,7 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
                            args.infos["start_positions"], _launch.sm_count(dev))
         prepared = _launch_gpu(spec, kind, dev, _ROPE_NAMES)
         outputs = [] if out is not None else [(0, plan.shape, plan.transpose_output, yi.ptr & 15)]
-        _launch.cache_put(key, prepared, outputs, (0, 1, 2, 3, 4))
+        _launch.cache_put(key, prepared, outputs)
     return y
 
 
@@ -214,13 +218,11 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
     dev = inf[nq].device[1]
     if inf[nq].size or inf[nk].size:
         yis = [_interop.info(y, kind) for y in ys]
-        from ._worksplit import rope_launch
-
         spec = rope_launch([pq, pk], [(inf[nq], yis[0]), (inf[nk], yis[1])], inf["freqs"], inf["cu_seqlens"],
                            inf["start_positions"], _launch.sm_count(dev))
         prepared = _launch_gpu(spec, kind, dev, _QK_NAMES)
         outputs = [] if inplace else [(i, p.shape, False, yi.ptr & 15) for i, p, yi in zip((0, 1), (pq, pk), yis)]
-        _launch.cache_put(key, prepared, outputs, tuple(range(7)))
+        _launch.cache_put(key, prepared, outputs)
     return tuple(ys)
 
 
@@ -389,14 +391,13 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
     if pi.size:
         spec = plan.launch(pi, qi, ki, vi, inf["q_freqs"], inf["k_freqs"], inf["cu_seqlens"],
                            inf["start_positions"], _launch.sm_count(dev))
-        prepared = _launch_gpu(spec, kind, dev, _QKV_NAMES)
+        prepared = _launch_gpu(spec, kind, dev, _QKV_BWD_NAMES if backward else _QKV_FWD_NAMES)
         if backward:
-            outputs, order = [(0, plan.packed_shape, False, pi.ptr & 15)], (7, 0, 1, 2, 3, 4, 5, 6)
+            outputs = [(0, plan.packed_shape, False, pi.ptr & 15)]
         else:
             outputs = [(0, shape, False, a.ptr & 15) for shape, a in
                        ((plan.q_shape, qi), (plan.kv_shape, ki), (plan.kv_shape, vi))]
-            order = (0, 5, 6, 7, 1, 2, 3, 4)
-        _launch.cache_put(key, prepared, outputs, order)
+        _launch.cache_put(key, prepared, outputs)
     return result
 
 

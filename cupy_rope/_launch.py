@@ -205,7 +205,7 @@ def cached_call(key, ptrs, arrays, kind):
     if entry is None:
         _STATS["misses"] += 1
         return None
-    prepared, outputs, order = entry
+    prepared, outputs = entry
     results = []
     for like, shape, transposed, same, align in outputs:
         y, p = _interop.empty_like(kind, arrays[like], shape, transposed, same)
@@ -213,21 +213,21 @@ def cached_call(key, ptrs, arrays, kind):
             return None  # alignment differs from the cached plan's: take the full path
         ptrs.append(p)
         results.append(y)
-    prepared(_interop.current_stream(kind, prepared.device), [ptrs[i] for i in order])
+    prepared(_interop.current_stream(kind, prepared.device), ptrs)
     _STATS["hits"] += 1
     return results
 
 
-def cache_put(key, prepared, outputs, order):
+def cache_put(key, prepared, outputs):
     """Remember a launch: ``outputs`` = [(index of the array to allocate like, shape, transposed,
-    address % 16)] allocated per call; ``order`` = indices into (key addresses + output
-    addresses) in ``prepared``'s name order."""
+    address % 16)] allocated per call. ``prepared`` takes its addresses in the order of the key's
+    arrays, then the outputs."""
     if key is None or prepared is None:
         return
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
     _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
-                              for i, shape, tr, al in outputs], order)
+                              for i, shape, tr, al in outputs])
 
 
 def _same_shape(key, i, shape) -> bool:

@@ -63,7 +63,7 @@ def test_hit_allocates_and_patches_in_name_order(cpu_cache):
     key, ptrs = cpu_cache.cache_key("torch", ("qk", False), ("sbhd", False, 1, 0, False), arrays)
     prep = FakePrepared()
     # the qk launch's names: x, x2, freqs, cu_seqlens, start_positions, y, y2
-    cpu_cache.cache_put(key, prep, [(0, q.shape, False, 0), (1, k.shape, False, 0)], tuple(range(7)))
+    cpu_cache.cache_put(key, prep, [(0, q.shape, False, 0), (1, k.shape, False, 0)])
     res = None
     for _ in range(4):  # torch's CPU allocator aligns to 64 bytes: every call hits
         key, ptrs = cpu_cache.cache_key("torch", ("qk", False), ("sbhd", False, 1, 0, False), arrays)
@@ -79,7 +79,7 @@ def test_output_alignment_change_is_a_miss(cpu_cache):
     f = torch.randn(16, 8)
     key, ptrs = cpu_cache.cache_key("torch", ("rope",), ("sbhd",), (x, f))
     prep = FakePrepared()
-    cpu_cache.cache_put(key, prep, [(0, x.shape, False, 8)], (0, 1, 2))  # cached plan saw an 8-byte offset
+    cpu_cache.cache_put(key, prep, [(0, x.shape, False, 8)])  # cached plan saw an 8-byte offset
     before = dict(cpu_cache._STATS)
     assert cpu_cache.cached_call(key, ptrs, (x, f), "torch") is None
     assert not prep.calls and cpu_cache._STATS["hits"] == before["hits"]
@@ -89,3 +89,71 @@ def test_api_uses_the_cache_only_for_cuda_and_cupy_arrays():
     assert _launch.cache_kind(np.zeros(3)) is None
     assert _launch.cache_kind(torch.zeros(3)) is None  # CPU tensors: the NumPy backend
     assert set(_api.cache_info()) == {"hits", "misses", "size"}
+
+
+class FakeDriver:
+    """Stands in for CuPy's driver binding: the current context is the prepared one's; a launch
+    records the parameter blocks it was handed."""
+
+    def __init__(self):
+        self.launched = []
+
+    def ctxGetCurrent(self):
+        return 222
+
+    def launchKernel(self, fptr, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
+        import ctypes
+
+        ptrs = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))
+        self.launched.append(ptrs[0])
+
+
+def _arrays(rng, shapes):
+    return [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+
+
+@pytest.mark.parametrize("what", ["rope", "qk", "qkv_fwd", "qkv_bwd"])
+def test_prepared_launch_patches_the_addresses_the_api_passes(monkeypatch, what):
+    """The address names of each launch (cupy_rope._api) in the order the launch cache passes
+    addresses: a launch prepared for one set of arrays, patched with another set's addresses,
+    holds exactly the parameter blocks planned for the other set."""
+    from cupy_rope import _plan, _worksplit
+    from cupy_rope._interop import info
+
+    monkeypatch.setattr(_launch, "function", lambda name, dev: (111, 222))
+    monkeypatch.setattr(_launch, "_driver", FakeDriver())
+    rng = np.random.default_rng(0)
+    sp = np.array([1, 0], np.int32)
+    f = rng.uniform(-3, 3, (12, 32)).astype(np.float32)
+    kf = rng.uniform(-3, 3, (12, 32)).astype(np.float32)
+
+    def plan_and_order(f, kf, sp):  # (spec, addresses in the cache's order) for fresh arrays
+        I = info  # noqa: E741
+        if what == "rope":
+            x, y = _arrays(rng, [(4, 2, 3, 32)] * 2)
+            plan = _plan.resolve_rope(I(x), I(f), "sbhd", False, None, I(sp), 1, 0, None, False)
+            return plan.launch(I(x), I(y), I(f), None, I(sp), 4), _api._ROPE_NAMES, [x, f, None, sp, y]
+        if what == "qk":
+            q, k, yq, yk = _arrays(rng, [(4, 2, 3, 32), (4, 2, 1, 32), (4, 2, 3, 32), (4, 2, 1, 32)])
+            pq, pk = _plan.resolve_rope_pair(I(q), I(k), I(f), "sbhd", False, None, I(sp), 1, 0, False, False)
+            spec = _worksplit.rope_launch([pq, pk], [(I(q), I(yq)), (I(k), I(yk))], I(f), None, I(sp), 4)
+            return spec, _api._QK_NAMES, [q, k, f, None, sp, yq, yk]
+        packed, q, k, v = _arrays(rng, [(4, 2, 2, 4 * 32), (4, 2, 4, 32), (4, 2, 2, 32), (4, 2, 2, 32)])
+        if what == "qkv_fwd":
+            plan = _plan.resolve_qkv(I(packed), I(f), I(kf), None, "sbhd", 4, False, None, I(sp), 1, 0)
+            order = [packed, f, kf, None, sp, q, k, v]
+            names = _api._QKV_FWD_NAMES
+        else:
+            plan = _plan.resolve_qkv_backward(I(q), I(k), I(v), I(f), I(kf), None, "sbhd", None, False, None,
+                                              I(sp), 1, 0)
+            order = [q, k, v, f, kf, None, sp, packed]
+            names = _api._QKV_BWD_NAMES
+        return plan.launch(I(packed), I(q), I(k), I(v), I(f), I(kf), None, I(sp), 4), names, order
+
+    spec1, names, _ = plan_and_order(f, kf, sp)
+    f2, kf2, sp2 = f.copy(), kf.copy(), sp.copy()
+    spec2, _, order2 = plan_and_order(f2, kf2, sp2)
+    assert spec1.params != spec2.params
+    prepared = _launch.Prepared(spec1, 0, names)
+    prepared(0, [0 if a is None else a.__array_interface__["data"][0] for a in order2])
+    assert bytes(prepared.buf) == spec2.params
