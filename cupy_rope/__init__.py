@@ -15,6 +15,9 @@ Public API::
     apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None, ...)
         -> (q, k, v)
     apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", ...) -> dqkv
+    apply_rope_pos(positions, q, k=None, *, cos_sin_cache=None | freqs=None | inv_freq=None,
+                   head_size=None, interleaved=False, rope_dim_offset=0, inverse=False,
+                   inplace=False) -> (q_out, k_out)     # per-token positions (serving)
     rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleaved=False,
                seq_len_interpolation_factor=None, pretrained_max_position_embeddings=None,
                offset=0, like=None) -> [max_seq_len, 1, 1, d2] float32
@@ -25,10 +28,10 @@ Framework shims: ``cupy_rope.torch`` (custom ops, autograd, torch.compile),
 """
 
 from ._api import (apply_qkv_rope, apply_qkv_rope_backward, apply_rope, apply_rope_backward,
-                   apply_rope_qk, apply_rope_qk_backward, debug_enabled, set_debug)
-from ._freqs import rope_freqs
+                   apply_rope_pos, apply_rope_qk, apply_rope_qk_backward, debug_enabled, set_debug)
+from ._freqs import rope_cos_sin_cache, rope_freqs, rope_inv_freq
 
 __version__ = "0.1.0"
 
 __all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qk_backward", "apply_qkv_rope", "apply_qkv_rope_backward",
-           "rope_freqs", "set_debug", "debug_enabled", "__version__"]
+           "apply_rope_pos", "rope_freqs", "rope_cos_sin_cache", "rope_inv_freq", "set_debug", "debug_enabled", "__version__"]

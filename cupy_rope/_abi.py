@@ -13,11 +13,19 @@ import struct
 from dataclasses import dataclass
 
 from . import _kernels
-from ._plan import LAYOUTS
+from ._plan import LAYOUTS, norm_strides
 
 ROPE_FIELDS = _kernels.struct_fields("RopeParams")
 QKV_FIELDS = _kernels.struct_fields("QkvParams")
-INDEX_ARGS = ("cu_seqlens", "start_positions")  # addresses inside PosArgs
+INDEX_ARGS = ("cu_seqlens", "start_positions", "positions")  # addresses inside PosArgs
+# RopeParams.f_kind (kernels_cu/rope_common.cuh TableKind) of a table's (kind, dtype); a cos/sin
+# cache in the tensors' own dtype is kind 2 (the kernel reads it as T).
+TABLE_KINDS = {("angles", "float32"): 0, ("cos_sin", "float32"): 1, ("inv_freq", "float64"): 3,
+               ("inv_freq", "float32"): 4}
+
+
+def table_kind(table) -> int:
+    return TABLE_KINDS.get((table.kind, table.dtype), 2)
 
 
 def pack(fields, vals: dict) -> bytes:
@@ -30,10 +38,13 @@ def index_stride(a) -> int:
     return 1 if a is None or not a.strides else a.strides[0]
 
 
-def pos_values(pos, cu, sp) -> dict:
+def pos_values(pos, cu, sp, ids=None) -> dict:
     """The ``pos.*`` fields of a parameter block (the kernels' PosArgs) from a resolved
-    :class:`cupy_rope._plan.Positions` and the index tensors' descriptors."""
-    return {"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
+    :class:`cupy_rope._plan.Positions` and the index tensors' descriptors (``ids``: per-token
+    positions ``[t]`` or ``[b, s]``)."""
+    ps = norm_strides(ids.shape, ids.strides) + (0,) if ids is not None else (0, 0)
+    return {"pos.positions": ids.ptr if ids is not None else 0, "pos.ps_is64": pos.ids_is64,
+            "pos.ps0": ps[0], "pos.ps1": ps[1],"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
             "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
             "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
             "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,

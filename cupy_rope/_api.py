@@ -46,10 +46,10 @@ _OPTIONAL = ("cu_seqlens", "start_positions", "out")
 class _Args:
     """The call's arrays, each with its framework kind and descriptor; errors name the argument."""
 
-    def __init__(self, **arrays):
+    def __init__(self, optional=_OPTIONAL, **arrays):
         self.native, self.kinds, self.infos = {}, {}, {}
         for name, a in arrays.items():
-            if a is None and name in _OPTIONAL:
+            if a is None and name in optional:
                 self.native[name], self.kinds[name], self.infos[name] = None, None, None
                 continue
             self.native[name], self.kinds[name], self.infos[name] = _interop.describe(name, a)
@@ -105,6 +105,7 @@ def _jax_ops():
 # then the outputs.
 _ROPE_NAMES = ("x", "freqs", "cu_seqlens", "start_positions", "y")
 _QK_NAMES = ("x", "x2", "freqs", "cu_seqlens", "start_positions", "y", "y2")
+_POS_NAMES = ("x", "x2", "freqs", "positions", "y", "y2")
 _QKV_FWD_NAMES = ("packed", "q_freqs", "k_freqs", "cu_seqlens", "start_positions", "q", "k", "v")
 _QKV_BWD_NAMES = ("q", "k", "v", "q_freqs", "k_freqs", "cu_seqlens", "start_positions", "packed")
 
@@ -224,6 +225,125 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
         outputs = [] if inplace else [(i, p.shape, False, yi.ptr & 15) for i, p, yi in zip((0, 1), (pq, pk), yis)]
         _launch.cache_put(key, prepared, outputs)
     return tuple(ys)
+
+
+def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_offset, inverse, inplace):
+    """The positions API: q (and k) at per-token positions, one launch."""
+    key = None
+    kind = _launch.cache_kind(q)
+    if kind is None and _jax_route(q, None, False):
+        if inplace is not False:
+            raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
+                             f"immutable), got {inplace!r}")
+        return _jax_ops().apply_rope_pos(positions, q, k, **tables, head_size=head_size,
+                                         interleaved=interleaved, rope_dim_offset=rope_dim_offset,
+                                         inverse=inverse)
+    if kind is not None and not _DEBUG[0]:
+        arrays = (q, k, *tables.values(), positions)
+        key, ptrs = _launch.cache_key(kind, ("pos", k is None),
+                                      (head_size, interleaved, rope_dim_offset, inverse, inplace), arrays)
+        if key is not None:
+            ptrs[2:5] = [sum(ptrs[2:5])]  # the one table given (the others' addresses are 0): "freqs"
+            if inplace is True:
+                ptrs += ptrs[:2]
+            res = _launch.cached_call(key, ptrs, arrays, kind)
+            if res is not None:
+                return (q, k) if inplace is True else (res[0], res[1] if k is not None else None)
+    args = _Args(optional=("k",) + _plan.TABLE_ARGS, positions=positions, q=q, k=k, **tables)
+    inf = args.infos
+    tab = {n: inf[n] for n in _plan.TABLE_ARGS}
+    plans, views, tname = _plan.resolve_rope_pos(inf["positions"], inf["q"], inf["k"], tab, head_size,
+                                                 interleaved, rope_dim_offset, inverse, inplace, ("q", "k"))
+    names = ("q", "k")[:len(plans)]
+    if inplace:
+        for n in names:
+            _interop.check_writable(n, args.native[n], args.kinds[n])
+    where = _device(args, "q")
+    if _DEBUG[0] and where != "meta":
+        check_position_ids(args.host("positions"), tname, plans[0].table.rows)
+    kind = args.kinds["q"]
+    if where == "cpu":
+        res = []
+        for n, plan, v in zip(names, plans, views):
+            x = args.numpy(n).reshape(v.shape)
+            y = _numpy_backend.rope(np, plan, x, args.numpy(tname), ids=args.numpy("positions")).reshape(plan.shape)
+            if inplace:
+                _interop.write_into(args.native[n], args.kinds[n], y)
+                res.append(args.native[n])
+            else:
+                res.append(_interop.from_numpy(np.ascontiguousarray(y), args.kinds[n]))
+        return tuple(res) + (None,) * (2 - len(res))
+    natives = [args.native[n] for n in names]
+    ys = natives if inplace else [_interop.empty_like(kind, a, p.shape)[0] for a, p in zip(natives, plans)]
+    result = tuple(ys) + (None,) * (2 - len(ys))
+    if where == "meta" or not any(v.size for v in views):
+        return result
+    ntok = inf["positions"].ndim
+    yvs = [_plan.head_view(_interop.info(y, kind), p.d, n, ntok) for y, p, n in zip(ys, plans, names)]
+    dev = views[0].device[1]
+    spec = rope_launch(plans, list(zip(views, yvs)), inf[tname], None, None, _launch.sm_count(dev),
+                       ids=inf["positions"])
+    prepared = _launch_gpu(spec, kind, dev, _POS_NAMES)
+    outputs = [] if inplace else [(i, p.shape, False, yv.ptr & 15) for i, p, yv in zip((0, 1), plans, yvs)]
+    _launch.cache_put(key, prepared, outputs)
+    return result
+
+
+def check_position_ids(ids, table_name: str, rows: int) -> None:
+    """The debug check of the positions API: every position inside the table."""
+    p = np.asarray(ids).astype(np.int64)
+    bad = np.nonzero((p < 0) | (p >= rows))
+    if bad[0].size:
+        idx = tuple(int(i[0]) for i in bad)
+        raise ValueError(f"cupy_rope: `{table_name}`: expected a row for every position (0 <= position < "
+                         f"{rows}), got position {int(p[idx])} at `positions`{list(idx)}")
+
+
+def apply_rope_pos(positions, q, k=None, *, cos_sin_cache=None, freqs=None, inv_freq=None, head_size=None,
+                   interleaved=False, rope_dim_offset=0, inverse=False, inplace=False):
+    """RoPE at per-token positions (the serving-side interface: vLLM, FlashInfer, SGLang, HF).
+
+    Queries and keys are rotated in one launch, each token by its own position.
+
+    Args:
+        positions: int32/int64 ``[t]`` (flattened tokens) or ``[b, s]``, any strides and values;
+            a position outside the table (negative, or >= its rows) leaves its token unrotated
+            (debug mode, :func:`set_debug`, raises instead).
+        q: ``[tokens.., hq, d]`` or ``[tokens.., hq * d]`` (then give ``head_size``), where
+            ``tokens..`` is the shape of ``positions``; float32, float16 or bfloat16; any strides.
+        k: optional, the same token dimensions and dtype, its own head count (GQA/MQA) and
+            strides; ``None`` rotates ``q`` alone.
+        cos_sin_cache: ``[max_pos, rotary_dim]``, cos of pair i in column i, sin in column
+            ``rotary_dim/2 + i`` (vLLM / FlashInfer layout); float32 or ``q``'s dtype.
+        freqs: a float32 angle table ``[max_pos, rotary_dim]`` / ``[max_pos, 1, 1, rotary_dim]``
+            (:func:`rope_freqs`), indexed by position.
+        inv_freq: ``[rotary_dim / 2]`` float64/float32 inverse frequencies: any position, angle
+            ``position * inv_freq[i]`` formed and evaluated in float64 (exact at long context).
+            Exactly one of the three tables.
+        head_size: the head dim ``d``, required when ``q``/``k`` have no head dimension.
+        interleaved: GPT-J pairs ``(2i, 2i + 1)``; default rotate-half (NeoX) pairs
+            ``(i, i + rotary_dim/2)``.
+        rope_dim_offset: first channel of the rotary slice (MLA: the rotary part at the end);
+            channels outside ``[offset, offset + rotary_dim)`` pass through.
+        inverse: rotate by ``-angle`` (undo a rotation; the backward of this function).
+        inplace: write into ``q`` and ``k`` (they must share no element). Not for JAX arrays.
+
+    Returns:
+        ``(q_out, k_out)`` (``k_out`` is None when ``k`` is): new contiguous arrays of the inputs'
+        shapes, or ``q``, ``k`` themselves when ``inplace``. On the caller's current stream.
+
+    Example:
+        >>> import numpy as np, cupy_rope
+        >>> cache = cupy_rope.rope_cos_sin_cache(64, 4096)             # [4096, 64] float32
+        >>> pos = np.array([0, 5, 4095], np.int64)
+        >>> q = np.random.rand(3, 8 * 64).astype(np.float32)          # [t, hq * d]
+        >>> k = np.random.rand(3, 2, 64).astype(np.float32)           # [t, hk, d]
+        >>> qo, ko = cupy_rope.apply_rope_pos(pos, q, k, cos_sin_cache=cache, head_size=64)
+        >>> qo.shape, ko.shape
+        ((3, 512), (3, 2, 64))
+    """
+    return _rope_pos(positions, q, k, {"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq},
+                     head_size, interleaved, rope_dim_offset, inverse, inplace)
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,

@@ -260,6 +260,81 @@ def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, c
                                                      bool(interleaved), int(cp_size), r, True))
 
 
+# ----------------------------------------------------------------------------- positions API
+def _pos_impl(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse):
+    """The positions API: (q', k') or (q',) from one launch."""
+    tables = {n: (_info(table) if n == tname else None) for n in _plan.TABLE_ARGS}
+    plans, views, _ = _plan.resolve_rope_pos(_info(positions), _info(q), _info(k), tables, head_size,
+                                             interleaved, rot_off, inverse, False, ("q", "k"))
+    xs = [a for a in (q, k) if a is not None]
+    if not _on_gpu(q, table):
+        return tuple(_numpy_backend.rope(jnp, p, a.reshape(v.shape), table, ids=positions).reshape(a.shape)
+                     for a, p, v in zip(xs, plans, views))
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs)
+    if not any(v.size for v in views):
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+    from ._worksplit import rope_launch
+
+    ntok = positions.ndim
+    outs = [_plan.head_view(_info(s), p.d, n, ntok) for s, p, n in zip(shapes, plans, ("q", "k"))]
+    ps, ts = _shapes(positions, table)
+    _precompile(rope_launch(plans, list(zip(views, outs)), _info(table), None, None, 1, ids=_info(positions)))
+
+    def at(i, ptr, device):
+        return _plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), ptr)
+
+    def build(addr, device):
+        pairs = [(at(v, addr[x], device), at(o, addr[y], device))
+                 for v, o, x, y in zip(views, outs, ("x", "x2"), ("y", "y2"))]
+        return rope_launch(plans, pairs, _at(ts, addr["freqs"], device), None, None, _launch.sm_count(device),
+                           ids=_at(ps, addr["positions"], device))
+
+    in_slots = [[("positions", 0)], [("x", 0)], [("x2", 0)], [("freqs", 0)]]
+    out_slots = [[("y", 0)], [("y2", 0)]][:len(shapes)]
+    return tuple(_xla.gpu_call(shapes, (positions, q, k, table), in_slots, out_slots, build))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _pos(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse):
+    return _pos_impl(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse)
+
+
+def _pos_fwd(positions, q, k, table, *static):
+    return _pos(positions, q, k, table, *static), (positions, table, k is not None)
+
+
+def _pos_bwd(tname, head_size, interleaved, rot_off, inverse, res, g):
+    positions, table, has_k = res
+    outs = _pos(positions, g[0], g[1] if has_k else None, table, tname, head_size, interleaved, rot_off,
+                not inverse)
+    return _zero_cot(positions), outs[0], outs[1] if has_k else None, _zero_cot(table)
+
+
+_pos.defvjp(_pos_fwd, _pos_bwd)
+
+
+def apply_rope_pos(positions, q, k=None, *, cos_sin_cache=None, freqs=None, inv_freq=None, head_size=None,
+                   interleaved=False, rope_dim_offset=0, inverse=False):
+    """:func:`cupy_rope.apply_rope_pos` for JAX arrays: ``(q', k')`` (``k'`` None without ``k``)
+    from one launch; jittable, differentiable in ``q`` and ``k`` (the tables and positions get
+    no gradient). On the CPU without ``jax_enable_x64``, ``inv_freq`` angles are float32.
+
+    Example:
+        >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
+        >>> cache = jnp.asarray(cupy_rope.rope_cos_sin_cache(64, 128))
+        >>> q, k = crj.apply_rope_pos(jnp.arange(4), jnp.ones((4, 8, 64)), jnp.ones((4, 2, 64)),
+        ...                           cos_sin_cache=cache)
+        >>> q.shape, k.shape
+        ((4, 8, 64), (4, 2, 64))
+    """
+    tables = {"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq}
+    tname, table = _plan.pick_table(tables)
+    hs = None if head_size is None else _plan.check_int("head_size", head_size, lo=1)
+    outs = _pos(positions, q, k, table, tname, hs, _plan.check_bool("interleaved", interleaved),
+                _plan.check_int("rope_dim_offset", rope_dim_offset, lo=0), _plan.check_bool("inverse", inverse))
+    return outs[0], (outs[1] if k is not None else None)
+
+
 def fused_views(shape, layout: str, num_q_heads=None, num_kv_heads=None):
     """q and k views [(shape, element strides, offset)] of a compact fused projection of ``shape``:
     ``lead + (3, h, d)`` (stacked q, k, v) or ``lead + ((hq + 2*hk) * d,)`` (concatenated, with

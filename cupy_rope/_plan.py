@@ -106,12 +106,21 @@ def check_float_input(name: str, a: ArrayInfo) -> None:
 
 @dataclass(frozen=True)
 class Table:
-    """A resolved angle table: rows S, rotary width d2, element strides."""
+    """A resolved table: rows S, rotary width d2, element strides, and what it holds: ``kind``
+    "angles" (float32 angles per channel, spec 2), "cos_sin" (a cos/sin cache ``[S, d2]``: cos of
+    pair i in column i, sin in column d2/2 + i) or "inv_freq" (``[d2/2]`` inverse frequencies:
+    any position; angles formed in float64); ``dtype`` its element type."""
 
     rows: int
     d2: int
     srow: int
     scol: int
+    kind: str = "angles"
+    dtype: str = "float32"
+
+
+# Rows of an inverse-frequency "table": every position >= 0 has its angles.
+INV_FREQ_ROWS = 2**62
 
 
 def check_freqs(name: str, f: ArrayInfo, d: int) -> Table:
@@ -157,6 +166,8 @@ class Positions:
     has_sp: bool
     cu_is64: bool
     sp_is64: bool
+    has_ids: bool = False  # per-token positions (the positions API) instead of all the above
+    ids_is64: bool = False
 
 
 # Largest cp_size accepted (positions and the kernel's index math stay far from 64-bit overflow).
@@ -252,6 +263,7 @@ class RopePlan:
     table: Table
     pos: Positions
     transpose_output: bool = False  # allocate bshd memory, return its sbhd view
+    rot_off: int = 0  # first channel of the rotary slice (the positions API's rope_dim_offset)
 
     def launch(self, x: ArrayInfo, y: ArrayInfo, freqs: ArrayInfo, cu, sp, sm_count: int):
         """The :class:`cupy_rope._abi.LaunchSpec` of this call (x -> y)."""
@@ -529,3 +541,123 @@ def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k
                            f"n = {n2}, d = {d2}")
     return _qkv_common(layout, tuple(dq.shape[:-2]), groups, n, d, dq, "dq", q_freqs, k_freqs,
                        interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
+
+
+# ------------------------------------------------------------------------ the positions API
+def check_cos_sin_cache(name: str, c: ArrayInfo, x_dtype: str, d: int, rot_off: int) -> Table:
+    """A cos/sin cache ``[max_pos, rotary_dim]`` (cos in the first half, sin in the second),
+    float32 or the tensors' dtype."""
+    if c.dtype not in ("float32", x_dtype):
+        raise _terr(name, f"dtype float32 or the query's dtype {x_dtype}", c.dtype)
+    if c.ndim != 2:
+        raise _err(name, "shape [max_pos, rotary_dim]", f"shape {tuple(c.shape)}")
+    return Table(rows=c.shape[0], d2=_rotary_dim(name, c.shape[1], d, rot_off), srow=c.strides[0],
+                 scol=c.strides[1], kind="cos_sin", dtype=c.dtype)
+
+
+def check_inv_freq(name: str, f: ArrayInfo, d: int, rot_off: int) -> Table:
+    """Inverse frequencies ``[rotary_dim / 2]``, float32 or float64 (pair i of a token at position
+    p turns by p * inv_freq[i], formed in float64)."""
+    if f.dtype not in ("float32", "float64"):
+        raise _terr(name, "dtype float32 or float64", f.dtype)
+    if f.ndim != 1:
+        raise _err(name, "shape [rotary_dim / 2]", f"shape {tuple(f.shape)}")
+    return Table(rows=INV_FREQ_ROWS, d2=_rotary_dim(name, 2 * f.shape[0], d, rot_off), srow=0,
+                 scol=f.strides[0], kind="inv_freq", dtype=f.dtype)
+
+
+def _rotary_dim(name: str, d2: int, d: int, rot_off: int) -> int:
+    if d2 % 2:
+        raise _err(name, "an even rotary width (last dimension)", f"rotary_dim = {d2}")
+    if rot_off + d2 > d:
+        raise _err(name, f"rope_dim_offset + rotary_dim <= head_size = {d} (rope_dim_offset = {rot_off})",
+                   f"rotary_dim = {d2}")
+    return d2
+
+
+TABLE_ARGS = ("cos_sin_cache", "freqs", "inv_freq")
+
+
+def pick_table(tables: dict):
+    """(name, array) of the one table given among ``cos_sin_cache``, ``freqs``, ``inv_freq``."""
+    given = [(n, a) for n, a in tables.items() if a is not None]
+    if len(given) != 1:
+        raise _err("cos_sin_cache", "exactly one of `cos_sin_cache`, `freqs`, `inv_freq`",
+                   ", ".join(f"`{n}`" for n, _ in given) if given else "none")
+    return given[0]
+
+
+def head_view(a: ArrayInfo, head_size, name: str, ntok: int) -> ArrayInfo:
+    """``a`` as ``[tokens.., h, d]``: as is when it has a head dimension, else its last dimension
+    ``h * head_size`` split (a view: no copy)."""
+    if a.ndim == ntok + 2:
+        if head_size is not None and a.shape[-1] != head_size:
+            raise _err(name, f"head dimension head_size = {head_size}", f"shape {tuple(a.shape)}")
+        return a
+    if a.ndim != ntok + 1:
+        raise _err(name, f"[tokens.., heads, head_size] or [tokens.., heads * head_size] with the token "
+                   f"dimensions of `positions` ({ntok}-D)", f"shape {tuple(a.shape)}")
+    if head_size is None:
+        raise _err("head_size", f"the head size, to split the last dimension of `{name}` "
+                   f"{tuple(a.shape)}", "None")
+    width = a.shape[-1]
+    if head_size < 1 or width % head_size:
+        raise _err("head_size", f"a divisor of the last dimension of `{name}` ({width})", head_size)
+    sd = a.strides[-1]
+    return ArrayInfo(tuple(a.shape[:-1]) + (width // head_size, head_size),
+                     tuple(a.strides[:-1]) + (head_size * sd, sd), a.dtype, a.device, a.ptr)
+
+
+def resolve_ids(positions: ArrayInfo, name: str = "positions") -> Positions:
+    """Per-token positions ``[t]`` or ``[b, s]``, int32/int64, any strides and values."""
+    if positions.dtype not in INDEX_DTYPES:
+        raise _terr(name, "dtype int32 or int64", positions.dtype)
+    if positions.ndim not in (1, 2):
+        raise _err(name, "shape [t] or [b, s]", f"shape {tuple(positions.shape)}")
+    return Positions(layout="thd" if positions.ndim == 1 else "bshd", seq_len=0, nseq=0, cp_size=1,
+                     cp_rank=0, has_cu=False, has_sp=False, cu_is64=False, sp_is64=False, has_ids=True,
+                     ids_is64=positions.dtype == "int64")
+
+
+def resolve_rope_pos(positions: ArrayInfo, q: ArrayInfo, k: ArrayInfo | None, tables: dict, head_size,
+                     interleaved, rope_dim_offset, inverse, inplace, names=("query", "key")):
+    """Validate a positions-API call and resolve it: ``(plans, views, table_name)``, one plan and
+    one ``[tokens.., h, d]`` view per tensor (q, and k when given)."""
+    interleaved = check_bool("is_neox" if names[0] == "query" else "interleaved", interleaved)
+    inverse = check_bool("inverse", inverse)
+    inplace = check_bool("inplace", inplace)
+    rot_off = check_int("rope_dim_offset", rope_dim_offset, lo=0)
+    if head_size is not None:
+        head_size = check_int("head_size", head_size, lo=1)
+    pos = resolve_ids(positions)
+    ntok = positions.ndim
+    tname, tinfo = pick_table(tables)
+    plans, views = [], []
+    for n, a in zip(names, (q, k)):
+        if a is None:
+            continue
+        check_float_input(n, a)
+        if a.dtype != q.dtype:
+            raise _terr(n, f"the dtype of `{names[0]}` ({q.dtype})", a.dtype)
+        v = head_view(a, head_size, n, ntok)
+        if tuple(v.shape[:ntok]) != tuple(positions.shape):
+            raise _err(n, f"token dimensions {tuple(positions.shape)} (the shape of `positions`)",
+                       f"shape {tuple(a.shape)}")
+        check_same_device(names[0], q, {n: a, "positions": positions, tname: tinfo})
+        d = v.shape[-1]
+        if tname == "cos_sin_cache":
+            table = check_cos_sin_cache(tname, tinfo, q.dtype, d, rot_off)
+        elif tname == "inv_freq":
+            table = check_inv_freq(tname, tinfo, d, rot_off)
+        else:
+            table = check_freqs(tname, tinfo, d - rot_off)
+        if inplace:
+            check_out(v, v.shape, v.dtype, v, n, {n: v, "positions": positions, tname: tinfo}, out_name=n)
+        plans.append(RopePlan(layout=pos.layout, interleaved=interleaved, backward=inverse, dtype=q.dtype,
+                              shape=tuple(a.shape), d=d, heads=v.shape[-2], table=table, pos=pos,
+                              rot_off=rot_off))
+        views.append(v)
+    if inplace and k is not None and shares_memory(views[0], views[1]):
+        raise _err(names[1], f"memory that shares no element with `{names[0]}` (in place writes both)",
+                   "overlapping tensors")
+    return plans, views, tname

@@ -21,14 +21,18 @@ def cp_position(xp, j, L, cp_size: int, cp_rank: int):
 
 
 def token_positions(xp, pos: Positions, lead_shape: tuple, cu_seqlens=None, start_positions=None,
-                    with_seq: bool = False):
+                    with_seq: bool = False, ids=None):
     """Positions of every token and whether the token belongs to a sequence.
 
     Returns ``(p, in_seq)`` of shape ``lead_shape`` ((s, b), (b, s) or (t,)), int64 / bool, and
     with ``with_seq`` also each token's sequence index (batch row or packed sequence).
-    ``p`` is not yet checked against the table length (see :func:`table_mask`).
+    ``p`` is not yet checked against the table length (see :func:`table_mask`). With per-token
+    positions (``pos.has_ids``) ``p`` is ``ids``.
     """
     i64 = np.int64 if xp is np else xp.asarray(0).dtype  # JAX: int64 only with x64 enabled
+    if pos.has_ids:  # the positions API: each token's own position, any value
+        p = xp.asarray(ids).astype(i64).reshape(lead_shape)
+        return (p, xp.ones(lead_shape, bool)) + ((xp.zeros(lead_shape, i64),) if with_seq else ())
     if pos.layout == "thd":
         (t,) = lead_shape
         rows = xp.arange(t, dtype=i64)

@@ -18,16 +18,17 @@ _THREADS_PER_SM = 512
 _MAX_VEC_BYTES = 0
 
 
-def pick_vec(dtype: str, ds, d2: int, arrays) -> int:
+def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
     """Widest vector (elements, at most 16 bytes, or ``_MAX_VEC_BYTES``) valid for every
-    head dim in ``ds`` and every (ptr, row strides, channel stride) in ``arrays``."""
+    head dim in ``ds``, the rotary slice (width ``d2`` from channel ``off``) and every
+    (ptr, row strides, channel stride) in ``arrays``."""
     isz = ITEMSIZE[dtype]
     max_bytes = _MAX_VEC_BYTES or 16
     h2 = d2 // 2
     for v in sorted(_kernels.vector_widths(dtype), reverse=True):
         if v == 1:
             return 1
-        if h2 % v or any(d % v for d in ds) or v * isz > max_bytes:
+        if h2 % v or off % v or any(d % v for d in ds) or v * isz > max_bytes:
             continue
         if all(sd == 1 and not ptr % (v * isz) and not any(s % v for s in row_strides)
                for ptr, row_strides, sd in arrays):
@@ -35,17 +36,18 @@ def pick_vec(dtype: str, ds, d2: int, arrays) -> int:
     return 1
 
 
-def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int, off: int = 0):
     """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
     n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
-    units of ``tail_w`` vectors. A thread takes one unit of the rows c, c + C, ... of one set
+    units of ``tail_w`` vectors (the pass-through channels before the rotary slice, which starts
+    at channel ``off``, then those after it; a tail unit never spans both). A thread takes one unit of the rows c, c + C, ... of one set
     (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
     ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
     threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
     tail = d - d2
-    tail_w = 2 if tail % (2 * vec) == 0 else 1
+    tail_w = 2 if off % (2 * vec) == 0 and (tail - off) % (2 * vec) == 0 else 1
     n_units = n_rot + tail // (tail_w * vec)
     per_chunk = n_tok * n_sets * n_units
     chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
@@ -72,23 +74,24 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
     ys0, ys1 = token_strides(plan.layout, y)
     xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
-                                                         vec, sm_count)
+                                                         vec, sm_count, plan.rot_off)
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
-                f_scol=plan.table.scol)
+                f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off)
     return vals, blocks_for(threads)
 
 
-def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int) -> _abi.LaunchSpec:
+def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.LaunchSpec:
     """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
-    alike; two plans share dtype, direction, layout, positions and table): grid row i runs
-    tensor i. The vector width is the widest valid for every array of the launch."""
+    alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
+    row i runs tensor i. The vector width is the widest valid for every array of the launch.
+    ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
-    vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays))
-    pos = _abi.pos_values(p0.pos, cu, sp)
+    vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
+    pos = _abi.pos_values(p0.pos, cu, sp, ids)
     blocks, grid = [], 0
     for plan, (x, y) in zip(plans, tensors):
         vals, nb = _rope_vals(plan, x, y, freqs, vec, sm_count)

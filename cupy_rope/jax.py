@@ -23,7 +23,7 @@ Example::
 """
 
 from ._jax_ops import (apply_qkv_rope, apply_qkv_rope_backward, apply_rope, apply_rope_backward,
-                       apply_rope_qk, apply_rope_qk_backward, apply_rope_qk_fused)
+                       apply_rope_pos, apply_rope_qk, apply_rope_qk_backward, apply_rope_qk_fused)
 
-__all__ = ["apply_rope", "apply_rope_backward", "apply_rope_qk", "apply_rope_qk_backward",
+__all__ = ["apply_rope", "apply_rope_backward", "apply_rope_pos", "apply_rope_qk", "apply_rope_qk_backward",
            "apply_rope_qk_fused", "apply_qkv_rope", "apply_qkv_rope_backward"]

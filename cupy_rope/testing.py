@@ -76,6 +76,51 @@ def rope_ref(x, freqs, layout="sbhd", interleaved=False, cu_seqlens=None, start_
     return y
 
 
+def pair_cos_sin_ref(kind, table, p, d2, interleaved):
+    """float64 (cos_first, sin_first, cos_second, sin_second) per pair ``pairs(d2, interleaved)``
+    for a token at position ``p`` (inside the table), straight from the table's definition:
+    ``"angles"``: cos/sin of each member's own float32 angle; ``"cos_sin"``: the cache's stored
+    values (cos of pair i in column i, sin in column d2/2 + i); ``"inv_freq"``: cos/sin of the
+    float64 angle p * inv_freq[i]."""
+    out = []
+    for i, (a, b) in enumerate(pairs(d2, interleaved)):
+        if kind == "angles":
+            row = np.asarray(table).reshape(np.asarray(table).shape[0], d2)[p].astype(np.float32).astype(np.float64)
+            out.append((np.cos(row[a]), np.sin(row[a]), np.cos(row[b]), np.sin(row[b])))
+        elif kind == "cos_sin":
+            row = np.asarray(table)[p].astype(np.float64)
+            out.append((row[i], row[d2 // 2 + i]) * 2)
+        else:
+            ang = float(p) * float(np.asarray(table)[i])
+            out.append((np.cos(ang), np.sin(ang)) * 2)
+    return out
+
+
+def rope_pos_ref(x, positions, kind, table, rows, interleaved=False, offset=0, inverse=False):
+    """float64 result of the positions API for ``x`` ``[tokens.., h, d]`` (any dtype): each token
+    rotated by its own position (channels offset .. offset + d2), tokens at positions outside
+    [0, rows) copied; ``inverse``: rotate by minus the angle."""
+    x64 = np.asarray(x).astype(np.float64)
+    y = x64.copy()
+    pos = np.asarray(positions).astype(np.int64)
+    tbl = np.asarray(table)
+    d2 = 2 * tbl.shape[0] if kind == "inv_freq" else tbl.shape[-1]
+    for tok in np.ndindex(pos.shape):
+        p = int(pos[tok])
+        if not 0 <= p < rows:
+            continue
+        xt, yt = x64[tok], y[tok]
+        for (a, b), (ca, sa, cb, sb) in zip(pairs(d2, interleaved), pair_cos_sin_ref(kind, tbl, p, d2, interleaved)):
+            fa, fb = offset + a, offset + b
+            if inverse:
+                yt[:, fa] = xt[:, fa] * ca + xt[:, fb] * sb
+                yt[:, fb] = xt[:, fb] * cb - xt[:, fa] * sa
+            else:
+                yt[:, fa] = xt[:, fa] * ca - xt[:, fb] * sa
+                yt[:, fb] = xt[:, fb] * cb + xt[:, fa] * sb
+    return y
+
+
 def term_scale(x, freqs_shape_d2):
     """Magnitude scale of the terms that make each output element (for tolerances)."""
     x64 = np.abs(np.asarray(x).astype(np.float64))

@@ -1,7 +1,7 @@
 """PyTorch shim: differentiable RoPE ops that work under ``torch.compile`` and CUDA graphs.
 
 The ops are ``torch.library`` operators: ``cupy_rope::rope``, ``rope_qk`` (q and k in one
-launch), in-place ``rope_qk_`` (defined on the dispatcher with CUDA, CPU and fake kernels and an
+launch), in-place ``rope_qk_``, the positions API's ``rope_pos`` and in-place ``rope_pos_`` (defined on the dispatcher with CUDA, CPU and fake kernels and an
 autograd kernel of their own), ``qkv_rope`` and ``qkv_rope_backward`` (``custom_op``). RoPE is
 linear in its input, so each op's gradient is the other direction's op: gradients of any
 order are exact. CUDA tensors run the CUDA kernels on torch's current stream, outputs come
@@ -184,6 +184,96 @@ def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size,
 _LIB.impl("rope", _rope_autograd, "Autograd")
 _LIB.impl("rope_qk", _rope_qk_autograd, "Autograd")
 _LIB.impl("rope_qk_", _rope_qk_inplace_autograd, "Autograd")
+
+
+# ----------------------------------------------------------------------------- positions API ops
+# q and k (optional) at per-token positions; ``table_name`` says which table ``table`` is
+# (cos_sin_cache / freqs / inv_freq); head_size 0: q and k have a head dimension.
+_PP_SCHEMA = "str table_name, int head_size, bool interleaved, int rope_dim_offset, bool inverse"
+_LIB.define(f"rope_pos(Tensor positions, Tensor q, Tensor? k, Tensor table, {_PP_SCHEMA}) -> Tensor[]")
+_LIB.define(f"_rope_pos_impl(Tensor positions, Tensor q, Tensor? k, Tensor table, {_PP_SCHEMA}) -> Tensor[]")
+_LIB.define(f"rope_pos_(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor table, {_PP_SCHEMA}) -> ()")
+
+
+def _tables(tname, table) -> dict:
+    from ._plan import TABLE_ARGS
+
+    return {n: (table if n == tname else None) for n in TABLE_ARGS}
+
+
+def _rope_pos_kernel(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse):
+    qo, ko = _api._rope_pos(positions, q, k, _tables(tname, table), head_size or None, interleaved, rot_off,
+                            inverse, False)
+    return [qo] if ko is None else [qo, ko]
+
+
+def _rope_pos_inplace_kernel(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse):
+    _api._rope_pos(positions, q, k, _tables(tname, table), head_size or None, interleaved, rot_off, inverse, True)
+
+
+for _key in ("CUDA", "CPU"):
+    _LIB.impl("rope_pos", _rope_pos_kernel, _key)
+    _LIB.impl("_rope_pos_impl", _rope_pos_kernel, _key)
+    _LIB.impl("rope_pos_", _rope_pos_inplace_kernel, _key)
+
+
+@torch.library.register_fake("cupy_rope::_rope_pos_impl", lib=_LIB)
+@torch.library.register_fake("cupy_rope::rope_pos", lib=_LIB)
+def _rope_pos_fake(positions, q, k, table, *static):
+    return [q.new_empty(q.shape)] + ([k.new_empty(k.shape)] if k is not None else [])
+
+
+@torch.library.register_fake("cupy_rope::rope_pos_", lib=_LIB)
+def _rope_pos_inplace_fake(positions, q, k, table, *static):
+    return None
+
+
+_ROPE_POS = torch.ops.cupy_rope.rope_pos.default
+_ROPE_POS_IMPL = torch.ops.cupy_rope._rope_pos_impl.default
+
+
+class _RopePosFn(torch.autograd.Function):
+    """The gradient is the inverse rotation at the same positions (only they and the table are
+    saved); q alone gives one output."""
+
+    @staticmethod
+    def forward(ctx, positions, table, static, q, k):
+        ctx.save_for_backward(positions, table)
+        ctx.static, ctx.has_k = static, k is not None
+        outs = _below_autograd(_ROPE_POS_IMPL, _rope_pos_kernel, _ROPE_POS, q, positions, q, k, table, *static)
+        return tuple(outs) if k is not None else outs[0]
+
+    @staticmethod
+    def backward(ctx, gq, gk=None):
+        positions, table = ctx.saved_tensors
+        tname, head_size, il, off, inverse = ctx.static
+        res = _RopePosFn.apply(positions, table, (tname, head_size, il, off, not inverse), gq,
+                               gk if ctx.has_k else None)
+        dq, dk = res if ctx.has_k else (res, None)
+        return None, None, None, dq, dk
+
+
+def _rope_pos_autograd(positions, q, k, table, *static):
+    if _needs_grad(q, *([k] if k is not None else [])):
+        res = _RopePosFn.apply(positions, table, static, q, k)
+        return list(res) if k is not None else [res]
+    return _below_autograd(_ROPE_POS_IMPL, _rope_pos_kernel, _ROPE_POS, q, positions, q, k, table, *static)
+
+
+def _rope_pos_inplace_autograd(positions, q, k, table, *static):
+    if _needs_grad(q, *([k] if k is not None else [])):
+        raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
+                         "(an in-place rotation is not differentiable), got True")
+    if _plain_cuda(q):
+        _rope_pos_inplace_kernel(positions, q, k, table, *static)
+    else:
+        with torch._C._AutoDispatchBelowAutograd():
+            torch.ops.cupy_rope.rope_pos_.default(positions, q, k, table, *static)
+    torch.autograd.graph.increment_version((q,) if k is None else (q, k))
+
+
+_LIB.impl("rope_pos", _rope_pos_autograd, "Autograd")
+_LIB.impl("rope_pos_", _rope_pos_inplace_autograd, "Autograd")
 
 
 @torch.library.custom_op("cupy_rope::qkv_rope", mutates_args=())
@@ -370,6 +460,45 @@ def _dispatch_qk(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, inp
     if inplace is not False:
         raise TypeError(f"cupy_rope.torch: `inplace`: expected a bool, got {type(inplace).__name__} {inplace!r}")
     return _rope_qk_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
+
+
+def apply_rope_pos(positions: torch.Tensor, q: torch.Tensor, k: Optional[torch.Tensor] = None, *,
+                   cos_sin_cache: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                   inv_freq: Optional[torch.Tensor] = None, head_size: Optional[int] = None,
+                   interleaved: bool = False, rope_dim_offset: int = 0, inverse: bool = False,
+                   inplace: bool = False):
+    """Differentiable :func:`cupy_rope.apply_rope_pos`: q (and k) at per-token positions in one
+    launch; works eagerly, under ``torch.compile`` and in CUDA graphs.
+
+    Shapes, dtypes and keywords as :func:`cupy_rope.apply_rope_pos`. Returns ``(q_out, k_out)``
+    (``k_out`` None without ``k``), differentiable in ``q`` and ``k`` (the gradient is the inverse
+    rotation; tables and positions get none). ``inplace=True`` rotates ``q`` and ``k`` themselves
+    (not differentiable: raises when either requires grad) and returns them.
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> cache = torch.from_numpy(cupy_rope.rope_cos_sin_cache(64, 256))
+        >>> pos = torch.tensor([0, 7, 255])
+        >>> q = torch.randn(3, 4 * 64, requires_grad=True)
+        >>> qo, ko = crt.apply_rope_pos(pos, q, torch.randn(3, 1, 64), cos_sin_cache=cache, head_size=64)
+        >>> qo.sum().backward(); q.grad.shape
+        torch.Size([3, 256])
+    """
+    from ._plan import check_bool, check_int, pick_table
+
+    tname, table = pick_table({"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq})
+    _check_tensors(positions=positions, q=q, **{tname: table}, **({"k": k} if k is not None else {}))
+    static = (tname, 0 if head_size is None else check_int("head_size", head_size, lo=1),
+              check_bool("interleaved", interleaved), check_int("rope_dim_offset", rope_dim_offset, lo=0),
+              check_bool("inverse", inverse))
+    if check_bool("inplace", inplace):
+        if torch.compiler.is_compiling():
+            torch.ops.cupy_rope.rope_pos_.default(positions, q, k, table, *static)
+        else:
+            _rope_pos_inplace_autograd(positions, q, k, table, *static)
+        return q, k
+    outs = _rope_pos_autograd(positions, q, k, table, *static)
+    return outs[0], (outs[1] if k is not None else None)
 
 
 def _split(qkv_last: int, groups: int, split, num_q_heads):

@@ -23,6 +23,11 @@ static inline void sincosf_host(float a, float* s, float* c) {
   *c = std::cos(a);
 }
 #define sincosf sincosf_host
+static inline void sincos_host(double a, double* s, double* c) {
+  *s = std::sin(a);
+  *c = std::cos(a);
+}
+#define sincos sincos_host
 
 #include <cstring>
 static inline unsigned int __float_as_uint(float a) {

@@ -19,7 +19,9 @@ struct RopeParams {
   i64 ys0, ys1, ysh, ysd;        // output strides
   i64 n_heads, d2;               // heads, rotary width
   i64 n_chunks, n_units, n_rot_units, tail_w;
-  i64 f_rows, f_srow, f_scol;    // angle table rows and strides (elements)
+  i64 f_rows, f_srow, f_scol;    // table rows and strides (elements)
+  i64 f_kind;                    // what the table holds (TableKind)
+  i64 rot_off;                   // first channel of the rotary slice
   PosArgs pos;
 };
 
@@ -59,16 +61,23 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
   i64 cb0, cb1;
   bool pair;
   const bool rot = unit_channels<INTERLEAVED>(u, p.n_rot_units, p.d2, p.tail_w, V, cb0, cb1, pair);
-  HeadRows<T> rows{reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + cb0 * p.xsd,
-                   reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + cb0 * p.ysd,
-                   C * p.xsh, C * p.ysh, (cb1 - cb0) * p.xsd, (cb1 - cb0) * p.ysd, kCopy, nullptr, p.f_scol};
+  const i64 r0 = row_channel(cb0, p.d2, p.rot_off), dr = row_channel(cb1, p.d2, p.rot_off) - r0;
+  HeadRows<T> rows{reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + r0 * p.xsd,
+                   reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + r0 * p.ysd,
+                   C * p.xsh, C * p.ysh, dr * p.xsd, dr * p.ysd, kCopy, nullptr, p.f_scol};
   // Position, angles, cos/sin (before the rows stream).
   auto init = [&](float* cm, float* sm) {
     if (!rot) return;
     i64 pos = 0;
     const bool valid = token_position(p.pos, outer, inner, pos);
-    if (in_table(valid, pos, p.f_rows)) rows.trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
-    rows.mode = held_sincos<INTERLEAVED, V>(rows.trow, cb0, cb1, p.f_scol, cm, sm);
+    if (!in_table(valid, pos, p.f_rows)) return;  // copied (rows.mode stays kCopy)
+    if (p.f_kind == kAngles) {
+      rows.trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+      rows.mode = held_sincos<INTERLEAVED, V>(rows.trow, cb0, cb1, p.f_scol, cm, sm);
+    } else {
+      table_sincos<T, INTERLEAVED, V>(p.f_kind, p.freqs, pos, p.f_srow, p.f_scol, p.d2 / 2, cb0, cm, sm);
+      rows.mode = kHeld;
+    }
   };
   stream_unit<T, V, INTERLEAVED, BACKWARD>(pair, cnt, rows, init, cb0, cb1);
 }

@@ -150,6 +150,9 @@ struct PosArgs {
   i64 sp_is64;
   i64 sp_stride;       // element stride of start_positions
   i64 cp_size, cp_rank;
+  i64 positions;       // per-token positions (the positions API): address of positions[0], 0 when absent
+  i64 ps_is64;
+  i64 ps0, ps1;        // element strides of positions along the outer and inner token dims
 };
 
 // Context-parallel dual-chunk mapping, spec 5.1: local index j of a sequence of local
@@ -163,8 +166,12 @@ __device__ __forceinline__ i64 cp_position(i64 j, i64 L, i64 cp_size, i64 cp_ran
 // Position of token (outer, inner) before the table-range check; false when the token
 // belongs to no sequence (thd rows past the last sequence, or invalid cu_seqlens).
 // sbhd: outer = s index, inner = b index; bshd: outer = b, inner = s; thd: outer = t.
-// A later per-token position-id input plugs in here.
+// With per-token positions (the positions API) the token's entry is its position, any value.
 __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 inner, i64& pos) {
+  if (a.positions) {
+    pos = load_index(a.positions, a.ps_is64, 1, outer * a.ps0 + inner * a.ps1);
+    return true;
+  }
   i64 seq, j, L;
   if (a.layout == 2) {
     const i64 t = outer;
@@ -339,6 +346,52 @@ __device__ __forceinline__ int held_sincos(const float* __restrict__ trow, i64 c
   return kHeld;
 }
 
+// What the rope kernels' table holds (RopeParams::f_kind; the QKV kernels take angle tables only).
+//   kAngles:   float32 angles [rows, d2], one per channel (spec 2)
+//   kCosSin32: float32 cos/sin cache [rows, d2]: cos of pair i in column i, sin in column d2/2 + i
+//   kCosSinT:  the same cache in the tensor's own dtype
+//   kInvF64 / kInvF32: inverse frequencies [d2/2] (float64 / float32): pair i of a token at
+//              position pos turns by the angle pos * inv[i], formed and evaluated in float64
+enum TableKind { kAngles = 0, kCosSin32 = 1, kCosSinT = 2, kInvF64 = 3, kInvF32 = 4 };
+
+template <typename T>
+__device__ __forceinline__ float table_value(i64 kind, i64 addr, i64 i) {
+  if constexpr (sizeof(T) == 4) {
+    return reinterpret_cast<const float*>(addr)[i];
+  } else {
+    if (kind == kCosSin32) return reinterpret_cast<const float*>(addr)[i];
+    return Half16<T>::lo(reinterpret_cast<const unsigned short*>(addr)[i]);
+  }
+}
+
+// The cos/sin a thread holds for its unit (first channel c0 of the rotary slice: its first pair
+// is i0 = c0, interleaved c0 / 2) from a cos/sin cache row or inverse frequencies (kinds 1-4), for
+// a token at position `pos` inside the table. Row stride srow, column stride scol, h2 = d2 / 2.
+template <typename T, bool INTERLEAVED, int V>
+__device__ __forceinline__ void table_sincos(i64 kind, i64 addr, i64 pos, i64 srow, i64 scol, i64 h2, i64 c0,
+                                             float* cm, float* sm) {
+  const i64 i0 = INTERLEAVED ? c0 / 2 : c0;
+  if (kind == kInvF64 || kind == kInvF32) {
+#pragma unroll
+    for (int m = 0; m < V; ++m) {
+      const i64 j = (i0 + m) * scol;
+      const double f = kind == kInvF64 ? reinterpret_cast<const double*>(addr)[j]
+                                       : (double)reinterpret_cast<const float*>(addr)[j];
+      double s, c;
+      sincos((double)pos * f, &s, &c);
+      sm[m] = (float)s;
+      cm[m] = (float)c;
+    }
+  } else {
+    const i64 row = pos * srow;
+#pragma unroll
+    for (int m = 0; m < V; ++m) {
+      cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);
+      sm[m] = table_value<T>(kind, addr, row + (h2 + i0 + m) * scol);
+    }
+  }
+}
+
 // Rows a thread keeps loading ahead of the row it processes (Rows::kDepth; measured on the H200,
 // benchmarks/NOTES.md): rope kernels 2, QKV kernels 1 (more registers there).
 #ifndef CUPY_ROPE_DEPTH
@@ -455,6 +508,13 @@ __device__ __forceinline__ bool unit_channels(i64 u, i64 n_rot, i64 d2, i64 tail
   cb1 = cb0 + V;
   pair = tail_w == 2;
   return false;
+}
+
+// Channel of the row holding slice channel v (unit_channels' numbering: the rotary slice is
+// 0..d2, the pass-through channels d2..d), when the rotary slice starts at channel `off` of the
+// row: rotary v -> off + v; the pass-through channels fill 0..off, then off + d2..d.
+__device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
+  return v < d2 ? v + off : (v - d2 < off ? v - d2 : v);
 }
 
 }  // namespace cupy_rope

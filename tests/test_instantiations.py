@@ -152,8 +152,8 @@ def test_every_instantiation_was_launched_on_gpu():
 def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
     """The launch ABI has one definition: the Python field order is read from the CUDA structs, and
     anything that is not a 64-bit field is refused."""
-    assert _abi.ROPE_FIELDS[:3] == ("x", "y", "freqs") and _abi.ROPE_FIELDS[-1] == "pos.cp_rank"
-    assert _abi.QKV_FIELDS[-12] == "k_same_table"
+    assert _abi.ROPE_FIELDS[:3] == ("x", "y", "freqs") and _abi.ROPE_FIELDS[-1] == "pos.ps1"
+    assert _abi.QKV_FIELDS[-16] == "k_same_table"
     assert _abi.ROPE_PTR_SLOTS["start_positions"] == _abi.ROPE_FIELDS.index("pos.start_positions")
     src = "struct Bad {\n  i64 a, b;  // fine\n  int c;\n};\n"
     monkeypatch.setattr(_kernels, "base_source", lambda: src)

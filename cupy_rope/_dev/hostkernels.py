@@ -163,6 +163,18 @@ def run_rope_qk(plans, q: np.ndarray, k: np.ndarray, freqs: np.ndarray, cu=None,
     return tuple(outs)
 
 
+def run_rope_pos(plans, xs, table: np.ndarray, positions: np.ndarray, outs=None):
+    """The positions API's launch (q, or q and k, each ``[tokens.., h, d]``) on NumPy arrays."""
+    from .._worksplit import rope_launch
+
+    outs = outs or tuple(np.empty(x.shape, x.dtype) for x in xs)
+    spec = rope_launch(plans, [(_np_info(x), _np_info(y)) for x, y in zip(xs, outs)], _np_info(table),
+                       None, None, sm_count=4, ids=_np_info(positions))
+    if any(x.size for x in xs):
+        launch(*spec)
+    return tuple(outs)
+
+
 def run_qkv(plan, arrays, q_freqs, k_freqs, cu=None, sp=None):
     """Forward: arrays = (qkv,) -> (q, k, v). Backward: arrays = (dq, dk, dv) -> dqkv."""
     if plan.backward:

@@ -1,0 +1,48 @@
+"""What the serving drop-ins (``cupy_rope.vllm``, ``cupy_rope.flashinfer``) share: the positions
+API reached through the caller's framework (torch tensors through the torch ops, so the drop-ins
+work under ``torch.compile`` and in CUDA graphs; CuPy/NumPy/JAX arrays through the public API),
+and inverse-frequency tables kept per device."""
+
+from __future__ import annotations
+
+import threading
+
+from . import _api, _freqs, _interop, _plan
+
+_INV: dict = {}
+_LOCK = threading.Lock()
+
+
+def rope_pos(positions, q, k, **kw):
+    """:func:`cupy_rope.apply_rope_pos` in the caller's framework: ``(q_out, k_out)``."""
+    if _interop.kind_of(q, "query") == "torch":
+        from . import torch as crt
+
+        return crt.apply_rope_pos(positions, q, k, **kw)
+    return _api.apply_rope_pos(positions, q, k, **kw)
+
+
+def inv_freq_like(like, rotary_dim: int, theta: float, scaling: dict | None):
+    """Float64 inverse frequencies (:func:`cupy_rope.rope_inv_freq`) on ``like``'s device, in its
+    framework; made once per (rotary_dim, theta, scaling, device) and kept (the first call of a
+    CUDA-graph capture must come after a warm-up call, as for any allocation)."""
+    kind = _interop.kind_of(like, "q")
+    dev = str(like.device) if kind == "torch" else getattr(getattr(like, "device", None), "id", None)
+    key = (kind, dev, rotary_dim, float(theta), tuple(sorted((scaling or {}).items())))
+    hit = _INV.get(key)
+    if hit is None:
+        inv, _ = _freqs.rope_inv_freq(rotary_dim, theta, scaling)
+        hit = _freqs.to_like(inv, like) if kind != "numpy" else inv
+        with _LOCK:
+            _INV[key] = hit
+    return hit
+
+
+def check_rotary_dim(rotary_dim, head_dim: int) -> int:
+    """``rotary_dim`` (None: the head dim), even and at most the head dim."""
+    if rotary_dim is None:
+        return head_dim
+    r = _plan.check_int("rotary_dim", rotary_dim, lo=2)
+    if r % 2 or r > head_dim:
+        raise ValueError(f"cupy_rope: `rotary_dim`: expected an even value <= the head dim {head_dim}, got {r}")
+    return r

@@ -1,0 +1,142 @@
+"""Drop-ins for FlashInfer's RoPE functions (``flashinfer.rope``): same names, signatures and
+in-place / out-of-place semantics, for torch tensors (CUDA or CPU; eager, ``torch.compile``, CUDA
+graphs), CuPy and NumPy arrays.
+
+Angles: ``apply_rope_pos_ids`` and ``apply_llama31_rope_pos_ids`` compute ``position *
+inv_freq`` and its cos/sin in float64 (exact at any position below 2^24; FlashInfer uses float32
+angles and fast-math ``sincos``); the ``cos_sin_cache`` functions read the cache. Positions
+outside a cache leave their token unrotated.
+
+Example::
+
+    import torch, cupy_rope.flashinfer as cfi
+    q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(64, device="cuda", dtype=torch.int32)
+    q_rope, k_rope = cfi.apply_llama31_rope_pos_ids(q, k, pos)
+"""
+
+from __future__ import annotations
+
+from . import _dropins, _plan
+
+
+def _cache_call(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
+    return _dropins.rope_pos(positions, query, key, cos_sin_cache=cos_sin_cache,
+                             head_size=_plan.check_int("head_size", head_size, lo=1),
+                             interleaved=not _plan.check_bool("is_neox", is_neox), inplace=inplace)
+
+
+def apply_rope_with_cos_sin_cache(positions, query, key, head_size: int, cos_sin_cache, is_neox: bool = True):
+    """FlashInfer's ``apply_rope_with_cos_sin_cache``: ``(query_out, key_out)``, new tensors.
+
+    ``positions`` ``[nnz]`` int32/int64; ``query`` ``[nnz, num_q_heads * head_size]`` (or with a
+    head dimension), ``key`` likewise for its heads; ``cos_sin_cache`` ``[max_seq_len,
+    rotary_dim]`` (cos first half, sin second), float32 (or the query's dtype); ``is_neox``:
+    rotate-half pairs, else interleaved.
+
+    Example:
+        >>> import numpy as np, cupy_rope, cupy_rope.flashinfer as cfi
+        >>> cache = cupy_rope.rope_cos_sin_cache(64, 16)
+        >>> q, k = cfi.apply_rope_with_cos_sin_cache(np.arange(3), np.ones((3, 128), np.float32),
+        ...                                          np.ones((3, 64), np.float32), 64, cache)
+        >>> q.shape, k.shape
+        ((3, 128), (3, 64))
+    """
+    return _cache_call(positions, query, key, head_size, cos_sin_cache, is_neox, False)
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size: int, cos_sin_cache,
+                                          is_neox: bool = True) -> None:
+    """FlashInfer's ``apply_rope_with_cos_sin_cache_inplace``: as
+    :func:`apply_rope_with_cos_sin_cache`, into ``query`` and ``key``; returns None.
+
+    Example:
+        >>> import numpy as np, cupy_rope, cupy_rope.flashinfer as cfi
+        >>> q = np.ones((2, 64), np.float32); k = np.ones((2, 64), np.float32)
+        >>> cfi.apply_rope_with_cos_sin_cache_inplace(np.arange(2), q, k, 64, cupy_rope.rope_cos_sin_cache(64, 4))
+        >>> bool(q[1, 0] != 1.0)
+        True
+    """
+    _cache_call(positions, query, key, head_size, cos_sin_cache, is_neox, True)
+
+
+def _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, theta, scaling, inplace):
+    head_dim = q.shape[-1]
+    rd = _dropins.check_rotary_dim(rotary_dim, head_dim)
+    inv = _dropins.inv_freq_like(q, rd, theta, scaling)
+    return _dropins.rope_pos(pos_ids, q, k, inv_freq=inv, interleaved=_plan.check_bool("interleave", interleave),
+                             inplace=inplace)
+
+
+def _linear(rope_scale):
+    return None if float(rope_scale) == 1.0 else {"rope_type": "linear", "factor": float(rope_scale)}
+
+
+def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave: bool = False, rope_scale: float = 1,
+                       rope_theta: float = 1e4):
+    """FlashInfer's ``apply_rope_pos_ids``: ``(q_rope, k_rope)``, new tensors.
+
+    ``q`` ``[nnz, num_qo_heads, head_dim]``, ``k`` ``[nnz, num_kv_heads, head_dim]``, ``pos_ids``
+    ``[nnz]``; the first ``rotary_dim`` channels (default all) rotate with frequencies
+    ``rope_theta ** (-2i / rotary_dim) / rope_scale``; ``interleave``: GPT-J pairs.
+
+    Example:
+        >>> import numpy as np, cupy_rope.flashinfer as cfi
+        >>> q, k = cfi.apply_rope_pos_ids(np.ones((3, 4, 64), np.float32), np.ones((3, 1, 64), np.float32),
+        ...                               np.arange(3))
+        >>> q.shape
+        (3, 4, 64)
+    """
+    return _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, rope_theta, _linear(rope_scale), False)
+
+
+def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave: bool = False, rope_scale: float = 1,
+                               rope_theta: float = 1e4) -> None:
+    """FlashInfer's ``apply_rope_pos_ids_inplace``: as :func:`apply_rope_pos_ids`, into ``q``
+    and ``k``; returns None.
+
+    Example:
+        >>> import numpy as np, cupy_rope.flashinfer as cfi
+        >>> q = np.ones((2, 1, 64), np.float32); k = np.ones((2, 1, 64), np.float32)
+        >>> cfi.apply_rope_pos_ids_inplace(q, k, np.arange(2)); bool(q[1, 0, 0] != 1.0)
+        True
+    """
+    _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, rope_theta, _linear(rope_scale), True)
+
+
+def _llama31(rope_scale, low_freq_factor, high_freq_factor, old_context_len):
+    return {"rope_type": "llama3", "factor": float(rope_scale), "low_freq_factor": float(low_freq_factor),
+            "high_freq_factor": float(high_freq_factor), "original_max_position_embeddings": float(old_context_len)}
+
+
+def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave: bool = False, rope_scale: float = 8,
+                               rope_theta: float = 5e5, low_freq_factor: float = 1, high_freq_factor: float = 4,
+                               old_context_len: int = 8192):
+    """FlashInfer's ``apply_llama31_rope_pos_ids``: Llama 3.1 frequency scaling
+    (:func:`cupy_rope.rope_inv_freq` with ``rope_type="llama3"``); ``(q_rope, k_rope)``.
+
+    Example:
+        >>> import numpy as np, cupy_rope.flashinfer as cfi
+        >>> q, k = cfi.apply_llama31_rope_pos_ids(np.ones((2, 4, 128), np.float32),
+        ...                                       np.ones((2, 1, 128), np.float32), np.arange(2))
+        >>> k.shape
+        (2, 1, 128)
+    """
+    return _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, rope_theta,
+                         _llama31(rope_scale, low_freq_factor, high_freq_factor, old_context_len), False)
+
+
+def apply_llama31_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave: bool = False,
+                                       rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
+                                       high_freq_factor: float = 4, old_context_len: int = 8192) -> None:
+    """FlashInfer's ``apply_llama31_rope_pos_ids_inplace``: into ``q`` and ``k``; returns None.
+
+    Example:
+        >>> import numpy as np, cupy_rope.flashinfer as cfi
+        >>> q = np.ones((2, 1, 64), np.float32); k = np.ones((2, 1, 64), np.float32)
+        >>> cfi.apply_llama31_rope_pos_ids_inplace(q, k, np.arange(2)); bool(k[1, 0, 0] != 1.0)
+        True
+    """
+    _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, rope_theta,
+                  _llama31(rope_scale, low_freq_factor, high_freq_factor, old_context_len), True)
