@@ -138,6 +138,24 @@ def _model_summary(data):
             f"{worst['kind']}); {len(over)} of {len(rows)} steps slower with cupy_rope.")
 
 
+SERVING_RESULTS = "benchmarks/results/h200_serving.json"
+
+
+def serving_block(data, path):
+    """The positions-API rows (11, 12; row 10 for comparison): device time against the copy and
+    torch.compile of vLLM's native formula, and the eager per-call cost."""
+    rows = data["rows"]
+    out = [_env_line(data, path), markdown(rows)]
+    for r in rows:
+        if r["id"] in (11, 12):
+            f, pc = r["fwd"], r["fwd"].get("peers", {}).get("torch.compile")
+            cmp = (f"; torch.compile of the formula {pc['device_us']:.1f} µs" if isinstance(pc, dict) else "")
+            out.append(f"* Row {r['id']} ({r['shape']}, in place): {f['device_us']:.1f} µs device "
+                       f"({f['pct_copy']:.0f}% of the copy's {r['copy_us']:.1f} µs){cmp}; eager per call "
+                       f"{f['eager_torch_us']:.1f} µs (torch), {f['eager_cupy_us']:.1f} µs (CuPy).")
+    return "\n\n".join(out)
+
+
 def model_block(data, path):
     return "\n\n".join(x for x in [_model_env(data, path), "End to end, time per model step (median):",
                                       model_table(data), _model_summary(data),
@@ -156,8 +174,8 @@ def render(text, makers):
                      text)
 
 
-DOCS = {"README.md": {RESULTS: readme_block, MODEL_RESULTS: model_readme_block},
-        "BENCHMARKS.md": {RESULTS: benchmarks_block, MODEL_RESULTS: model_block}}
+DOCS = {"README.md": {RESULTS: readme_block, MODEL_RESULTS: model_readme_block, SERVING_RESULTS: serving_block},
+        "BENCHMARKS.md": {RESULTS: benchmarks_block, MODEL_RESULTS: model_block, SERVING_RESULTS: serving_block}}
 
 
 def main(argv=None):

@@ -19,12 +19,26 @@ def set_debug(enabled: bool) -> None:
     Off by default (the check copies the index tensors to the host and so synchronises).
     Also enabled by the environment variable ``CUPY_ROPE_DEBUG=1``. With it on, a position
     outside the table, a decreasing ``cu_seqlens`` or an odd context-parallel length raises
-    ``ValueError``; without it such tokens are copied through unrotated (spec 5.4).
+    ``ValueError``; without it such tokens are copied through unrotated (spec 5.4). For the
+    positions API it reports positions outside the table.
+
+    Example:
+        >>> import cupy_rope
+        >>> cupy_rope.set_debug(True); cupy_rope.debug_enabled()
+        True
+        >>> cupy_rope.set_debug(False)
     """
     _DEBUG[0] = bool(enabled)
 
 
 def debug_enabled() -> bool:
+    """Whether the debug check of :func:`set_debug` is on.
+
+    Example:
+        >>> import cupy_rope
+        >>> cupy_rope.debug_enabled()
+        False
+    """
     return _DEBUG[0]
 
 

@@ -141,6 +141,10 @@ SHAPES = [
     (8, "sbhd cp_size=4 rank 1", dict(layout="sbhd", shape=(4096, 2, 32, 128), cp=(4, 1))),
     (9, "QKV sbhd 8 grp x 4 q", dict(layout="sbhd", qkv=(4096, 2, 8, 4, 128))),
     (10, "decode bshd 64x1x32x128", dict(layout="bshd", shape=(64, 1, 32, 128), decode=True)),
+    # the positions API (serving): q [t, 32*128] and k [t, 8*128] bf16 in place, per-token positions,
+    # a float32 cos/sin cache [8192, 128] (FlashInfer's layout); "bwd" is inverse=True
+    (11, "serve decode 64 tok 32q+8kv pos+cache", dict(serving=(64, 32, 8, 128))),
+    (12, "serve prefill 16K tok 32q+8kv pos+cache", dict(serving=(16384, 32, 8, 128))),
 ]
 
 
@@ -423,7 +427,75 @@ def _time_peer(fn, ref, idx, copy_us):
     return dict(device_us=dev, eager_us=eager, pct_copy=100 * copy_us / dev)
 
 
+def vllm_native(positions, q, k, cache, head_size):
+    """vLLM's ``forward_native`` rotate-half formula (gather cos/sin rows, cast, rotate): the peer
+    of the serving rows, eager and under torch.compile."""
+    import torch
+
+    cs = cache.index_select(0, positions)
+    cos, sin = cs.chunk(2, dim=-1)
+    out = []
+    for x in (q, k):
+        xv = x.view(x.shape[0], -1, head_size)
+        c, s_ = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+        x1, x2 = xv.chunk(2, dim=-1)
+        out.append(torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1).reshape(x.shape))
+    return out
+
+
+def run_serving_row(rid, desc, spec, quick=False, peers=True):
+    """A positions-API row: q and k rotated in place in one launch (fwd), or by the inverse (bwd)."""
+    import torch
+
+    import cupy_rope
+
+    t, hq, hk, d = spec["serving"]
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    cache = cupy_rope.rope_cos_sin_cache(d, 8192, like=torch.empty(0, device=dev))
+    per = t * (hq + hk) * d * 2
+    nbuf = max(2, min(16, math.ceil(3 * L2_BYTES / per)))
+    qs = [torch.empty(t, hq * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
+    ks = [torch.empty(t, hk * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
+    pos = torch.randint(0, 8192, (t,), device=dev, generator=g)
+    nbytes = 2 * per + t * d * 4
+    n_launch = nbuf * max(1, (4 if quick else 12) // nbuf) if per > 2**20 else (100 if quick else 400)
+    idx = [i % nbuf for i in range(n_launch)]
+    row = dict(id=rid, shape=desc, bytes=nbytes, dtype="bfloat16")
+    row["copy_us"], row["copy_kind"] = copy_time(nbytes, nbuf, idx)
+    import cupy
+
+    cq, ck, cpos, ccache = ([cupy.from_dlpack(a) for a in qs], [cupy.from_dlpack(a) for a in ks],
+                            cupy.from_dlpack(pos), cupy.from_dlpack(cache))
+    for direction in ("fwd", "bwd"):
+        inv = direction == "bwd"
+        kw = dict(head_size=d, inverse=inv, inplace=True)
+        r = {}
+
+        def ours(i):
+            return cupy_rope.apply_rope_pos(pos, qs[i], ks[i], cos_sin_cache=cache, **kw)
+
+        r["device_us"] = graph_time([lambda i=i: ours(i) for i in idx])
+        r["pct_copy"] = 100 * row["copy_us"] / r["device_us"]
+        r["gbps"] = nbytes / r["device_us"] / 1e3
+        r["eager_torch_us"] = eager_time([lambda i=i: ours(i) for i in idx])
+        r["eager_cupy_us"] = eager_time([lambda i=i: cupy_rope.apply_rope_pos(
+            cpos, cq[i], ck[i], cos_sin_cache=ccache, **kw) for i in idx])
+        if peers:
+            ref = cupy_rope.apply_rope_pos(pos, qs[0], ks[0], cos_sin_cache=cache, head_size=d, inverse=inv)[0]
+            c = cache if not inv else torch.cat([cache[:, : d // 2], -cache[:, d // 2:]], dim=1)
+            compiled = torch.compile(vllm_native, dynamic=False)
+            r["peers"] = {
+                "torch eager": _time_peer(lambda i: vllm_native(pos, qs[i], ks[i], c, d)[0], ref, idx, row["copy_us"]),
+                "torch.compile": _time_peer(lambda i: compiled(pos, qs[i], ks[i], c, d)[0], ref, idx, row["copy_us"]),
+                "JAX jit": "n/a", "Liger": "n/a"}
+        row[direction] = r
+    return row
+
+
 def run_row(rid, desc, spec, quick=False, peers=True):
+    if spec.get("serving"):
+        return run_serving_row(rid, desc, spec, quick, peers)
     p = Problem(spec)
     n_launch = p.nbuf * max(1, (4 if quick else 12) // p.nbuf) if p.per > 2**20 else (100 if quick else 400)
     idx = [i % p.nbuf for i in range(n_launch)]
