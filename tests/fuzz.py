@@ -1,8 +1,11 @@
-"""Randomised fuzz of the six entry points (issue: safe on every input).
+"""Randomised fuzz of the seven entry points (issue: safe on every input).
 
 Each case is drawn from one seed: an entry point (``apply_rope``, ``apply_rope_backward``,
 ``apply_rope_qk``, ``apply_rope_qk_backward``, ``apply_qkv_rope``, ``apply_qkv_rope_backward``;
-q and k separate or views of one fused ``[.., 3, h, d]`` buffer, in place or not), valid extremes (sizes 0 and 1, odd and large
+q and k separate or views of one fused ``[.., 3, h, d]`` buffer, in place or not; and the
+positions API ``apply_rope_pos``: per-token positions with garbage values, a cos/sin cache, angle
+table or inverse frequencies, flattened heads, ``k=None``, a rotary slice at an offset, inverse,
+in place), valid extremes (sizes 0 and 1, odd and large
 head dims, h = 257, cp_size up to 8, thd with empty sequences and padding rows, int32/int64
 indices, tables exactly as long as needed), every array argument laid out in memory at random
 (permuted, sliced with steps out of a poisoned buffer, reversed, expanded with stride 0, offset),
@@ -38,11 +41,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupy_rope  # noqa: E402
-from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_ref, token_table  # noqa: E402
+from cupy_rope.testing import (NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_pos_ref, rope_ref,  # noqa: E402
+                               token_table)
 
 BACKENDS = ("numpy", "torch-cpu", "host", "cupy", "torch-cuda")
 CPU_BACKENDS = ("numpy", "torch-cpu")  # the NumPy backend: index contents are checked always
 QK_NAMES = {"qk": ("q", "k"), "qk_bwd": ("dq", "dk")}  # the q+k entry points' array names
+POS_TABLES = ("cos_sin_cache", "freqs", "inv_freq")  # the positions API's table keywords
 INT_POISON = {"int32": 0x5A5A5A5A, "int64": 0x5A5A5A5A5A5A5A5A}
 
 
@@ -289,7 +294,9 @@ def _index(rng, vals, dtype, backend, name, case, two_d=False):
 
 def draw(seed: int, backend: str) -> Case:
     rng = np.random.default_rng(seed)
-    entry = str(rng.choice(["rope", "rope_bwd", "qk", "qk_bwd", "qkv", "qkv_bwd"]))
+    entry = str(rng.choice(["rope", "rope_bwd", "qk", "qk_bwd", "qkv", "qkv_bwd", "pos"]))
+    if entry == "pos":
+        return _draw_pos(seed, rng, backend)
     layout = str(rng.choice(["sbhd", "bshd", "thd"]))
     dtype = str(rng.choice(["float32", "float16", "bfloat16"]))
     interleaved = bool(rng.random() < 0.5)
@@ -419,6 +426,146 @@ def draw(seed: int, backend: str) -> Case:
     if rng.random() < 0.3:
         _make_invalid(case, rng, backend)
     return case
+
+
+def _draw_pos(seed: int, rng, backend: str) -> Case:
+    """A positions-API case: positions [t] or [b, s] with any values (negative, past the table,
+    near the integer limits), one table of three kinds, q flattened or not, k optional (its own
+    heads and head dim, or a view of q's fused buffer), rotary slice at an offset."""
+    dtype = str(rng.choice(["float32", "float16", "bfloat16"]))
+    case = Case(seed, "pos", "pos", dtype, bool(rng.random() < 0.5), 1, 0)
+    lead = (int(rng.choice([0, 1, 2, 5, 9])),) if rng.random() < 0.6 else \
+        (int(rng.choice([0, 1, 2, 3])), int(rng.choice([0, 1, 3, 4])))
+    d, d2 = _d_d2(rng)
+    off = 2 * int(rng.integers(0, (d - d2) // 2 + 1)) if d2 and rng.random() < 0.4 else 0
+    h = int(rng.choice([0, 1, 2, 3, 5, 8]))
+    kind = str(rng.choice(["cos_sin", "cos_sin_t", "freqs", "inv32", "inv64"]))
+    rows = int(rng.integers(0, 12))
+    n = int(np.prod(lead))
+    pdt = str(rng.choice(["int32", "int64"]))
+    r = rng.random()
+    if r < 0.7:
+        pvals = rng.integers(-3, rows + 4, n)
+    else:
+        hi = 2**31 - 1 if pdt == "int32" else 2**63 - 1
+        pvals = np.where(rng.random(n) < 0.5, rng.integers(hi - 10, hi, n, endpoint=True, dtype=np.int64),
+                         -rng.integers(hi - 10, hi, n, endpoint=True, dtype=np.int64))
+    pvals = pvals.reshape(lead)
+    if pvals.size and rng.random() < 0.15:
+        pvals = np.full_like(pvals, pvals.flat[0])  # lets "expanded" (stride 0) happen
+    _index(rng, pvals, pdt, backend, "positions", case, two_d=len(lead) == 1 and rng.random() < 0.15)
+    tname = {"cos_sin": "cos_sin_cache", "cos_sin_t": "cos_sin_cache", "freqs": "freqs"}.get(kind, "inv_freq")
+    if kind.startswith("cos_sin"):
+        ang = rng.uniform(-30, 30, (rows, d2 // 2))
+        tvals = np.concatenate([np.cos(ang), np.sin(ang)], -1).astype(np.float32 if kind == "cos_sin" else NP_DTYPES[dtype])
+    elif kind == "freqs":
+        tvals = rng.uniform(-30, 30, (rows, d2)).astype(np.float32)
+        if rng.random() < 0.3:
+            tvals = tvals.reshape(rows, 1, 1, d2)
+    else:
+        tvals = (10000.0 ** -(np.arange(0, d2, 2) / max(d2, 1)) * rng.uniform(0.5, 3)).astype(
+            np.float32 if kind == "inv32" else np.float64)
+    mode = _pick_mode(rng, backend)
+    case.arrays[tname] = lay_out(tvals, rng, "stepped" if mode == "expanded" else mode,
+                                 np.array(np.nan).astype(tvals.dtype))
+    npdt, poison = NP_DTYPES[dtype], float_poison(dtype)
+
+    def data(shape):
+        return lay_out(rng.uniform(-2, 2, shape).astype(npdt), rng, _pick_mode(rng, backend), poison)
+
+    flat = rng.random() < 0.4
+    with_k = rng.random() < 0.75
+    if with_k and rng.random() < 0.35:  # q and k: views of one fused [.., (h + 2h) * d] projection
+        proj = data(lead + (3 * h * d,))
+        sd = proj.strides[-1]
+        case.arrays["q"] = Laid(proj.base, proj.offset, lead + (h * d,), proj.strides, "fused")
+        case.arrays["k"] = Laid(proj.base, proj.offset + h * d * sd, lead + (h * d,), proj.strides, "fused")
+        flat = True
+    else:
+        case.arrays["q"] = data(lead + ((h * d,) if flat else (h, d)))
+        if with_k:
+            hk = int(rng.choice([0, 1, 2, 3]))
+            dk = d if flat or rng.random() < 0.7 else max(d2 + off, int(rng.choice(HEAD_DIMS)))
+            case.arrays["k"] = data(lead + ((hk * d,) if flat else (hk, dk)))
+    if "k" not in case.arrays:
+        case.lists["k"] = None
+    ks = case.arrays.get("k")
+    if flat or (rng.random() < 0.2 and (ks is None or ks.shape[-1] == d)):  # one head size for q and k
+        case.kw["head_size"] = d
+    case.kw.update(interleaved=case.interleaved, rope_dim_offset=off, inverse=bool(rng.random() < 0.5))
+    if rng.random() < 0.3 and all(case.arrays[n].mode != "expanded" for n in ("q", "k") if n in case.arrays):
+        case.kw["inplace"] = True
+    case.meta.update(d=d, d2=d2, lead=lead, h=h, kind=kind, tname=tname, rows=rows, off=off, flat=flat)
+    if rng.random() < 0.3:
+        _make_invalid_pos(case, rng)
+    return case
+
+
+def _make_invalid_pos(case: Case, rng):
+    """One invalid argument of a positions-API call."""
+    A, kw, m = case.arrays, case.kw, case.meta
+    what = str(rng.choice(["pos_dtype", "pos_ndim", "pos_tokens", "no_table", "two_tables", "table_dtype",
+                           "table_shape", "offset_big", "offset_type", "q_dtype", "q_type", "k_dtype",
+                           "head_size", "interleaved", "inverse", "inplace_type", "inplace_overlap"]))
+    m["invalid"] = what
+    npdt, t = NP_DTYPES[case.dtype], m["tname"]
+    if what == "pos_dtype":
+        A["positions"] = lay_out(np.zeros(m["lead"], np.float32), rng, "contiguous", 0)
+        case.expect_error = "positions"
+    elif what == "pos_ndim":
+        A["positions"] = lay_out(np.zeros((1, 1, 1), np.int64), rng, "contiguous", 0)
+        case.expect_error = "positions"
+    elif what == "pos_tokens":
+        A["positions"] = lay_out(np.zeros((m["lead"][0] + 1,) + m["lead"][1:], np.int64), rng, "contiguous", 0)
+        case.expect_error = "q"
+    elif what == "no_table":
+        del A[t]
+        case.expect_error = "cos_sin_cache"
+    elif what == "two_tables":
+        other = "freqs" if t != "freqs" else "cos_sin_cache"
+        A[other] = lay_out(np.zeros((2, max(m["d2"], 2)), np.float32), rng, "contiguous", 0)
+        case.expect_error = "cos_sin_cache"
+    elif what == "table_dtype":
+        A[t] = lay_out(np.zeros(A[t].shape, np.int32), rng, "contiguous", 0)
+        case.expect_error = t
+    elif what == "table_shape":
+        shape = {"inv_freq": (2, 2), "cos_sin_cache": (3,), "freqs": (3, 2, 2)}[t]
+        A[t] = lay_out(np.zeros(shape, np.float32), rng, "contiguous", 0)
+        case.expect_error = t
+    elif what in ("offset_big", "offset_type"):
+        kw["rope_dim_offset"] = m["d"] - m["d2"] + 2 if what == "offset_big" else 1.5
+        case.expect_error = t if what == "offset_big" else "rope_dim_offset"
+    elif what == "q_dtype":
+        A["q"] = lay_out(np.zeros(A["q"].shape, np.int16), rng, "contiguous", 0)
+        case.expect_error = "q"
+    elif what == "q_type":
+        case.lists["q"] = [[1.0]]
+        case.expect_error = "q"
+    elif what == "k_dtype":
+        other = np.float16 if case.dtype != "float16" else np.float32
+        A["k"] = lay_out(np.zeros(A["q"].shape, other), rng, "contiguous", 0)
+        case.lists.pop("k", None)
+        case.expect_error = "k"
+    elif what == "head_size":
+        if m["flat"] or rng.random() < 0.5:
+            kw["head_size"], case.expect_error = 0, "head_size"
+        else:
+            kw["head_size"], case.expect_error = m["d"] + 1, "q"  # q's head dimension is d
+    elif what in ("interleaved", "inverse"):
+        kw[what] = [1, None, "yes"][int(rng.integers(0, 3))]
+        case.expect_error = what
+    elif what == "inplace_type":
+        kw["inplace"] = [1, "no", None][int(rng.integers(0, 3))]
+        case.expect_error = "inplace"
+    else:  # k is q itself, written in place
+        q = A["q"]
+        A["k"] = Laid(q.base, q.offset, q.shape, q.strides, "same")
+        case.lists.pop("k", None)
+        kw["inplace"] = True
+        case.expect_error = "q" if q.mode == "expanded" else "k"
+        if int(np.prod(q.shape)) == 0:
+            case.expect_error = None  # nothing shared: no error
+            kw["inplace"] = False
 
 
 def _make_invalid(case: Case, rng, backend):
@@ -634,8 +781,16 @@ def _positional(case: Case, native: dict):
     return [native["dq"], native["dk"], native["dv"], native["q_freqs"], native["k_freqs"]]
 
 
+def _pos_call_args(case: Case, native: dict):
+    tables = {n: native[n] for n in POS_TABLES if n in native}
+    return (native["positions"], native["q"], native.get("k")), dict(case.kw, **tables)
+
+
 def call(case: Case, backend: str, native: dict):
     """Run the case's entry point on ``backend``'s arrays."""
+    if case.entry == "pos":
+        args, kw = _pos_call_args(case, native)
+        return cupy_rope.apply_rope_pos(*args, **kw)
     kw = _call_kwargs(case, native)
     pos = _positional(case, native)
     if case.entry in QK_NAMES:
@@ -659,6 +814,18 @@ def _host_call(case: Case, native: dict):
     from cupy_rope._dev import hostkernels as _hostkernels
     from cupy_rope._interop import info
 
+    if case.entry == "pos":
+        (pos, q, k), kw = _pos_call_args(case, native)
+        tables = {n: info(kw.get(n)) for n in POS_TABLES}
+        inplace = kw.get("inplace", False)
+        plans, views, tname = _plan.resolve_rope_pos(info(pos), info(q), info(k), tables, kw.get("head_size"),
+                                                     kw["interleaved"], kw["rope_dim_offset"], kw["inverse"], inplace)
+        xs = [np.lib.stride_tricks.as_strided(a, v.shape, tuple(st * a.itemsize for st in v.strides))
+              for a, v in zip((q, k), views)]
+        outs = tuple(xs) if inplace else tuple(np.full(v.shape, np.nan, a.dtype) for a, v in zip(xs, views))
+        _hostkernels.run_rope_pos(plans, xs, kw[tname], pos, outs)
+        res = [a if inplace else o.reshape(a.shape) for a, o in zip((q, k), outs)]
+        return res[0], (res[1] if k is not None else None)
     kw = _call_kwargs(case, native)
     cu, sp = info(kw.get("cu_seqlens")), info(kw.get("start_positions"))
     if case.entry in QK_NAMES:
@@ -730,8 +897,41 @@ def _check_rope(y, x, freqs, case, vals, what):
         assert np.array_equal(bits(yb[..., d2:]), bits(xb[..., d2:])), f"{what}: tail channels differ"
 
 
+def _check_pos(case: Case, result, vals: dict):
+    m = case.meta
+    assert isinstance(result, tuple) and len(result) == 2, type(result)
+    table = vals[m["tname"]]
+    kind = {"cos_sin_cache": "cos_sin", "freqs": "angles", "inv_freq": "inv_freq"}[m["tname"]]
+    rows = 2**62 if kind == "inv_freq" else table.shape[0]
+    d2, off = m["d2"], m["off"]
+    for n, r in zip(("q", "k"), result):
+        if n not in vals:
+            assert r is None, "k_out must be None without k"
+            continue
+        y, x = to_numpy(r), vals[n]
+        assert y.shape == x.shape and y.dtype == x.dtype, (n, y.shape, y.dtype)
+        d = case.kw.get("head_size") or x.shape[-1]
+        xv, yv = x.reshape(m["lead"] + (-1, d)) if x.size else x.reshape(m["lead"] + (0, d)), None
+        yv = y.reshape(xv.shape)
+        ref = rope_pos_ref(xv, vals["positions"], kind, table, rows, case.interleaved, off, case.kw["inverse"])
+        scale = np.abs(xv.astype(np.float64))
+        if d2 and xv.size:
+            scale[..., off:off + d2] += scale[..., off:off + d2].max(axis=-1, keepdims=True)
+        assert_close_to_ref(yv, ref, xv, d2, case.dtype, f"{n} " + case.describe(), scale=scale)
+        p = vals["positions"].astype(np.int64)
+        out = (p < 0) | (p >= rows)
+        if out.any():
+            assert np.array_equal(bits(yv[out]), bits(xv[out])), f"{n}: tokens outside the table differ"
+        keep = np.r_[0:off, off + d2:d]
+        if keep.size and xv.size:
+            assert np.array_equal(bits(yv[..., keep]), bits(xv[..., keep])), f"{n}: pass-through channels differ"
+
+
 def check_valid(case: Case, result, vals: dict, backend: str):
     """Results against the float64 reference (``vals``: the logical NumPy inputs)."""
+    if case.entry == "pos":
+        _check_pos(case, result, vals)
+        return
     if case.entry in QK_NAMES:
         assert isinstance(result, tuple) and len(result) == 2, type(result)
         for n, r in zip(QK_NAMES[case.entry], result):
@@ -813,7 +1013,7 @@ def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     xn = "x" if case.entry == "rope" else "grad"
     written = {"out"} | ({xn} if case.out_is_input else set())
     if case.kw.get("inplace") is True:
-        written |= set(QK_NAMES[case.entry])
+        written |= set(QK_NAMES[case.entry]) if case.entry in QK_NAMES else {"q", "k"}
     covered = {}  # buffer name -> elements written (views sharing a buffer: their union)
     for n in written:
         if n in laid:
@@ -830,7 +1030,8 @@ def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     if "out" in native and backend != "host":
         assert result is native["out"], "with `out` the result is `out`"
     if case.kw.get("inplace") is True and backend != "host":
-        assert all(r is native[n] for r, n in zip(result, QK_NAMES[case.entry])), "inplace returns q, k"
+        names = QK_NAMES.get(case.entry, ("q", "k"))
+        assert all(r is native.get(n) for r, n in zip(result, names)), "inplace returns q, k"
     if case.garbage_cu:
         return "ran (garbage cu_seqlens: memory checks only)"
     check_valid(case, result, vals, backend)
