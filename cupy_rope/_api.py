@@ -89,6 +89,16 @@ def _jax_route(x, out=None, transpose_output_memory=False):
     return next(iter(x.devices())).platform == "gpu"
 
 
+def _jax_inplace_route(q, inplace) -> bool:
+    """:func:`_jax_route` for the calls that take ``inplace``: never True for JAX arrays, on any
+    device."""
+    is_jax = type(q).__module__.split(".")[0] in ("jax", "jaxlib") and _interop.kind_of(q) == "jax"
+    if is_jax and inplace is not False:
+        raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
+                         f"immutable), got {inplace!r}")
+    return is_jax and _jax_route(q, None, False)
+
+
 def _device(args: _Args, ref: str) -> str:
     """Where the call runs: 'cpu' (NumPy backend), 'cuda' (the kernels) or 'meta' (torch meta
     tensors: outputs of the right shapes, nothing computed). The one device check of every entry
@@ -187,10 +197,7 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
     """q and k (same tokens, positions and table) in one launch: grid row 0 runs q, row 1 k."""
     key = None
     kind = _launch.cache_kind(q)
-    if kind is None and _jax_route(q, None, False):
-        if inplace is not False:
-            raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
-                             f"immutable), got {inplace!r}")
+    if kind is None and _jax_inplace_route(q, inplace):
         fn = _jax_ops().apply_rope_qk_backward if backward else _jax_ops().apply_rope_qk
         return fn(q, k, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
@@ -245,10 +252,7 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
     """The positions API: q (and k) at per-token positions, one launch."""
     key = None
     kind = _launch.cache_kind(q)
-    if kind is None and _jax_route(q, None, False):
-        if inplace is not False:
-            raise ValueError("cupy_rope: `inplace`: expected False for JAX arrays (JAX arrays are "
-                             f"immutable), got {inplace!r}")
+    if kind is None and _jax_inplace_route(q, inplace):
         return _jax_ops().apply_rope_pos(positions, q, k, **tables, head_size=head_size,
                                          interleaved=interleaved, rope_dim_offset=rope_dim_offset,
                                          inverse=inverse)

@@ -249,6 +249,19 @@ def test_jax_cpu():
     np.testing.assert_allclose(np.asarray(gq).astype(np.float64), want_g.astype(np.float64), atol=1e-2)
 
 
+def test_jax_arrays_are_never_written_in_place():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    cache = jnp.asarray(cupy_rope.rope_cos_sin_cache(64, 8))
+    q = jnp.ones((2, 1, 64))
+    with pytest.raises(ValueError, match="`inplace`"):
+        cupy_rope.apply_rope_pos(jnp.arange(2), q, None, cos_sin_cache=cache, inplace=True)
+    f = jnp.asarray(cupy_rope.rope_freqs(64, 8))
+    with pytest.raises(ValueError, match="`inplace`"):
+        cupy_rope.apply_rope_qk(q[:, None], q[:, None], f, inplace=True)
+
+
 # ----------------------------------------------------------------------------- errors
 def _base():
     r = np.random.default_rng(0)
