@@ -44,7 +44,8 @@ def pos_values(pos, cu, sp, ids=None) -> dict:
     positions ``[t]`` or ``[b, s]``)."""
     ps = norm_strides(ids.shape, ids.strides) + (0,) if ids is not None else (0, 0)
     return {"pos.positions": ids.ptr if ids is not None else 0, "pos.ps_is64": pos.ids_is64,
-            "pos.ps0": ps[0], "pos.ps1": ps[1],"pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len, "pos.nseq": pos.nseq,
+            "pos.ps0": ps[0], "pos.ps1": ps[1], "pos.layout": LAYOUTS[pos.layout], "pos.seq_len": pos.seq_len,
+            "pos.nseq": pos.nseq,
             "pos.cu_seqlens": cu.ptr if cu is not None else 0, "pos.cu_is64": pos.cu_is64,
             "pos.cu_stride": index_stride(cu), "pos.start_positions": sp.ptr if sp is not None else 0,
             "pos.sp_is64": pos.sp_is64, "pos.sp_stride": index_stride(sp), "pos.cp_size": pos.cp_size,

@@ -40,8 +40,8 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
     """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
     n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
     units of ``tail_w`` vectors (the pass-through channels before the rotary slice, which starts
-    at channel ``off``, then those after it; a tail unit never spans both). A thread takes one unit of the rows c, c + C, ... of one set
-    (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
+    at channel ``off``, then those after it; a tail unit never spans both). A thread takes one
+    unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
     ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
     threads = n_tok * n_sets * C * n_units.
     """
