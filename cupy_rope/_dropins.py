@@ -13,13 +13,33 @@ _INV: dict = {}
 _LOCK = threading.Lock()
 
 
-def rope_pos(positions, q, k, **kw):
-    """:func:`cupy_rope.apply_rope_pos` in the caller's framework: ``(q_out, k_out)``."""
-    if _interop.kind_of(q, "query") == "torch":
-        from . import torch as crt
+def rope_pos(names: dict, positions, q, k, **kw):
+    """:func:`cupy_rope.apply_rope_pos` in the caller's framework: ``(q_out, k_out)``. Errors name
+    the drop-in's own arguments: ``names`` maps the library's names (``q``, ``k``, ``positions``)
+    to the original API's (e.g. ``query``, ``key``, ``pos_ids``)."""
+    try:
+        if _interop.kind_of(q, names.get("q", "q")) == "torch":
+            from . import torch as crt
 
-        return crt.apply_rope_pos(positions, q, k, **kw)
-    return _api.apply_rope_pos(positions, q, k, **kw)
+            return crt.apply_rope_pos(positions, q, k, **kw)
+        return _api.apply_rope_pos(positions, q, k, **kw)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        for ours, theirs in names.items():
+            msg = msg.replace(f"`{ours}`", f"`{theirs}`")
+        if msg == str(e):
+            raise
+        raise type(e)(msg) from None
+
+
+def check_number(name: str, v, lo: float) -> float:
+    """A real number > ``lo`` (``rope_theta``, ``rope_scale`` and the like)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        raise TypeError(f"cupy_rope: `{name}`: expected a number, got {type(v).__name__} {v!r}")
+    f = float(v)
+    if not f > lo:
+        raise ValueError(f"cupy_rope: `{name}`: expected a number > {lo}, got {v!r}")
+    return f
 
 
 def inv_freq_like(like, rotary_dim: int, theta: float, scaling: dict | None):

@@ -80,6 +80,9 @@ def _scaling_param(scaling: dict, name: str, default=None, required: bool = Fals
     if v is None and required:
         raise ValueError(f"cupy_rope: `rope_scaling`: expected a {name!r} entry for rope_type "
                          f"{scaling.get('rope_type', scaling.get('type'))!r}, got none")
+    if v is not None and not isinstance(v, (list, tuple, np.ndarray)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not float(v) > 0:
+            raise ValueError(f"cupy_rope: `rope_scaling`: expected {name!r} a number > 0, got {v!r}")
     return v
 
 
@@ -141,15 +144,15 @@ def rope_inv_freq(rotary_dim, base=10000.0, rope_scaling=None, *, max_position_e
         inv = 1.0 / b ** exps
     elif rtype == "yarn":
         factor = float(_scaling_param(sc, "factor", required=True))
-        omp = sc.get("original_max_position_embeddings")
+        omp = _scaling_param(sc, "original_max_position_embeddings")
         if omp is not None and mpe is not None:
             factor = mpe / omp  # transformers: the factor implied by the two lengths
         omp = omp if omp is not None else _need_mpe(mpe, rtype)
-        att = sc.get("attention_factor")
+        att = _scaling_param(sc, "attention_factor")
         if att is None:
             ms, msa = sc.get("mscale"), sc.get("mscale_all_dim")
             att = _yarn_mscale(factor, ms) / _yarn_mscale(factor, msa) if ms and msa else _yarn_mscale(factor)
-        beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+        beta_fast, beta_slow = _scaling_param(sc, "beta_fast") or 32, _scaling_param(sc, "beta_slow") or 1
 
         def corr_dim(rot):
             return dim * math.log(omp / (rot * 2 * math.pi)) / (2 * math.log(base))
@@ -181,13 +184,13 @@ def rope_inv_freq(rotary_dim, base=10000.0, rope_scaling=None, *, max_position_e
             if f.shape != (dim // 2,):
                 raise ValueError(f"cupy_rope: `rope_scaling`: expected {name} of length rotary_dim / 2 = "
                                  f"{dim // 2}, got shape {f.shape}")
-        omp = sc.get("original_max_position_embeddings")
-        factor = sc.get("factor")
+        omp = _scaling_param(sc, "original_max_position_embeddings")
+        factor = _scaling_param(sc, "factor")
         if omp is not None:
             factor = _need_mpe(mpe, rtype) / omp
         else:
             omp = _need_mpe(mpe, rtype)
-        att = sc.get("attention_factor")
+        att = _scaling_param(sc, "attention_factor")
         if att is None:
             att = 1.0 if factor is None or factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(omp))
         ext = long_ if seq_len is not None and seq_len > omp else short

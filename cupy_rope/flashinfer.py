@@ -22,7 +22,7 @@ from . import _dropins, _plan
 
 
 def _cache_call(positions, query, key, head_size, cos_sin_cache, is_neox, inplace):
-    return _dropins.rope_pos(positions, query, key, cos_sin_cache=cos_sin_cache,
+    return _dropins.rope_pos({"q": "query", "k": "key"}, positions, query, key, cos_sin_cache=cos_sin_cache,
                              head_size=_plan.check_int("head_size", head_size, lo=1),
                              interleaved=not _plan.check_bool("is_neox", is_neox), inplace=inplace)
 
@@ -62,15 +62,20 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size: int,
 
 
 def _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, theta, scaling, inplace):
-    head_dim = q.shape[-1]
-    rd = _dropins.check_rotary_dim(rotary_dim, head_dim)
-    inv = _dropins.inv_freq_like(q, rd, theta, scaling)
-    return _dropins.rope_pos(pos_ids, q, k, inv_freq=inv, interleaved=_plan.check_bool("interleave", interleave),
-                             inplace=inplace)
+    from ._interop import kind_of
+
+    kind_of(q, "q")
+    if getattr(q, "ndim", 0) != 3:
+        raise ValueError(f"cupy_rope: `q`: expected [nnz, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    rd = _dropins.check_rotary_dim(rotary_dim, q.shape[-1])
+    inv = _dropins.inv_freq_like(q, rd, _dropins.check_number("rope_theta", theta, 1.0), scaling)
+    return _dropins.rope_pos({"positions": "pos_ids"}, pos_ids, q, k, inv_freq=inv,
+                             interleaved=_plan.check_bool("interleave", interleave), inplace=inplace)
 
 
 def _linear(rope_scale):
-    return None if float(rope_scale) == 1.0 else {"rope_type": "linear", "factor": float(rope_scale)}
+    f = _dropins.check_number("rope_scale", rope_scale, 0.0)
+    return None if f == 1.0 else {"rope_type": "linear", "factor": f}
 
 
 def apply_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave: bool = False, rope_scale: float = 1,
@@ -106,8 +111,11 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave: bool 
 
 
 def _llama31(rope_scale, low_freq_factor, high_freq_factor, old_context_len):
-    return {"rope_type": "llama3", "factor": float(rope_scale), "low_freq_factor": float(low_freq_factor),
-            "high_freq_factor": float(high_freq_factor), "original_max_position_embeddings": float(old_context_len)}
+    lo = _dropins.check_number("low_freq_factor", low_freq_factor, 0.0)
+    hi = _dropins.check_number("high_freq_factor", high_freq_factor, lo)
+    return {"rope_type": "llama3", "factor": _dropins.check_number("rope_scale", rope_scale, 0.0),
+            "low_freq_factor": lo, "high_freq_factor": hi,
+            "original_max_position_embeddings": _dropins.check_number("old_context_len", old_context_len, 0.0)}
 
 
 def apply_llama31_rope_pos_ids(q, k, pos_ids, rotary_dim=None, interleave: bool = False, rope_scale: float = 8,

@@ -39,5 +39,5 @@ def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_ne
         (True, True)
     """
     neox = _plan.check_bool("is_neox", is_neox)
-    _dropins.rope_pos(positions, query, key, cos_sin_cache=cos_sin_cache,
+    _dropins.rope_pos({"q": "query", "k": "key"}, positions, query, key, cos_sin_cache=cos_sin_cache,
                       head_size=_plan.check_int("head_size", head_size, lo=1), interleaved=not neox, inplace=True)

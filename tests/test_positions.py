@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import cupy_rope
+import cupy_rope.flashinfer as cfi
+import cupy_rope.vllm as crv
 from cupy_rope import _interop, _plan
 from cupy_rope._dev import hostkernels
 from reference import NP_DTYPES, assert_close_to_ref
@@ -322,8 +324,6 @@ def test_debug_mode_reports_positions_outside_the_table():
 
 # ----------------------------------------------------------------------------- drop-ins
 def test_vllm_rotary_embedding():
-    import cupy_rope.vllm as crv
-
     pos, q, k, cache = _base()
     qf, kf = q.reshape(4, 128).copy(), k.reshape(4, 64).copy()
     for neox in (True, False):
@@ -342,8 +342,6 @@ def test_vllm_rotary_embedding():
 
 
 def test_flashinfer_drop_ins():
-    import cupy_rope.flashinfer as cfi
-
     pos, q, k, cache = _base()
     qf, kf = q.reshape(4, 128), k.reshape(4, 64)
     qo, ko = cfi.apply_rope_with_cos_sin_cache(pos, qf, kf, 64, cache, is_neox=False)
@@ -375,10 +373,40 @@ def test_flashinfer_drop_ins():
     np.testing.assert_array_equal(k1, ko)
 
 
+@pytest.mark.parametrize("call, exc, name", [
+    (lambda c, q, k: crv.rotary_embedding(np.arange(3), q.astype(np.int32), k, 64, c,
+                                                                        True), TypeError, "query"),
+    (lambda c, q, k: crv.rotary_embedding(np.arange(4), q, k, 64, c, True),
+     ValueError, "query"),
+    (lambda c, q, k: crv.rotary_embedding(np.arange(3), q, k, 64.0, c, True),
+     TypeError, "head_size"),
+    (lambda c, q, k: cfi.apply_rope_with_cos_sin_cache(
+        np.arange(3), q, k[:, :32], 64, c), ValueError, "head_size"),
+    (lambda c, q, k: cfi.apply_rope_pos_ids(
+        q.reshape(3, 2, 64), k.reshape(3, 1, 64), np.arange(3.0)), TypeError, "pos_ids"),
+    (lambda c, q, k: cfi.apply_rope_pos_ids(
+        q.reshape(3, 2, 64), k.reshape(3, 1, 64), np.arange(3), rope_scale=0), ValueError, "rope_scale"),
+    (lambda c, q, k: cfi.apply_rope_pos_ids(
+        q.reshape(3, 2, 64), k.reshape(3, 1, 64), np.arange(3), rope_theta="x"), TypeError, "rope_theta"),
+    (lambda c, q, k: cfi.apply_rope_pos_ids(
+        q, k.reshape(3, 1, 64), np.arange(3)), ValueError, "q"),
+    (lambda c, q, k: cfi.apply_rope_pos_ids(
+        q.reshape(3, 2, 64), k.reshape(3, 1, 64), np.arange(3), rotary_dim=63), ValueError, "rotary_dim"),
+    (lambda c, q, k: cfi.apply_llama31_rope_pos_ids(
+        q.reshape(3, 2, 64), k.reshape(3, 1, 64), np.arange(3), high_freq_factor=0.5), ValueError,
+     "high_freq_factor"),
+])
+def test_drop_in_errors_name_their_own_arguments(call, exc, name):
+    c = cupy_rope.rope_cos_sin_cache(64, 8)
+    q, k = np.ones((3, 128), np.float32), np.ones((3, 64), np.float32)
+    q0 = q.copy()
+    with pytest.raises(exc, match=f"`{name}`"):
+        call(c, q, k)
+    np.testing.assert_array_equal(q, q0)
+
+
 def test_drop_ins_torch():
     torch = pytest.importorskip("torch")
-    import cupy_rope.flashinfer as cfi
-    import cupy_rope.vllm as crv
 
     pos, q, k, cache = _base()
     tq, tk = torch.from_numpy(q.reshape(4, 128).copy()), torch.from_numpy(k.reshape(4, 64).copy())
@@ -459,6 +487,9 @@ def test_rope_inv_freq_types_follow_the_published_formulas():
     (dict(rope_scaling={"rope_type": "linear"}), ValueError, "rope_scaling"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ValueError, "max_position_embeddings"),
     (dict(rope_scaling=[1]), TypeError, "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0.0}), ValueError, "rope_scaling"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "1", "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}), ValueError, "rope_scaling"),
 ])
 def test_rope_inv_freq_errors(bad, exc, name):
     kw = dict(rotary_dim=64, base=10000.0)
@@ -597,7 +628,6 @@ def test_gpu_matches_reference(case, fw):
 def test_gpu_repeated_calls_hit_the_launch_cache_and_graphs():
     torch = pytest.importorskip("torch")
     import cupy_rope.torch as crt
-    import cupy_rope.vllm as crv
 
     dev = "cuda"
     cache = torch.from_numpy(cupy_rope.rope_cos_sin_cache(128, 4096)).to(dev, torch.bfloat16)
