@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from . import _dropins, _plan
 
+__all__ = ["rotary_embedding"]
+
 
 def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_neox: bool) -> None:
     """vLLM's ``rotary_embedding``: rotate ``query`` and ``key`` in place at ``positions``.

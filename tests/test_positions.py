@@ -405,6 +405,45 @@ def test_drop_in_errors_name_their_own_arguments(call, exc, name):
     np.testing.assert_array_equal(q, q0)
 
 
+def _ragged_ref_positions(indptr, offsets, nnz):
+    p = np.full(nnz, -1, np.int64)
+    for i in range(len(indptr) - 1):
+        for t in range(indptr[i], indptr[i + 1]):
+            p[t] = offsets[i] + t - indptr[i]
+    return p
+
+
+@pytest.mark.parametrize("fw", ["numpy", "torch"])
+def test_flashinfer_ragged_batch(fw):
+    """apply_rope / apply_llama31_rope (indptr, offsets) = the pos_ids functions at the ragged
+    batch's positions; tokens past the last segment are left as they are."""
+    r = np.random.default_rng(3)
+    indptr, offsets = np.array([0, 3, 3, 7]), np.array([5, 100, 2000])
+    q = r.uniform(-1, 1, (9, 4, 64)).astype(np.float32)
+    k = r.uniform(-1, 1, (9, 2, 64)).astype(np.float32)
+    pos = _ragged_ref_positions(indptr, offsets, 9)
+    conv = (lambda a: a.copy()) if fw == "numpy" else (lambda a: pytest.importorskip("torch").from_numpy(a.copy()))
+    back = (lambda a: a) if fw == "numpy" else (lambda a: a.numpy())
+    for ragged, by_ids, kw in ((cfi.apply_rope, cfi.apply_rope_pos_ids, dict(rotary_dim=32, rope_theta=500.0)),
+                               (cfi.apply_llama31_rope, cfi.apply_llama31_rope_pos_ids, dict(interleave=True))):
+        qo, ko = ragged(conv(q), conv(k), conv(indptr), conv(offsets.astype(np.int32)), **kw)
+        want_q, want_k = by_ids(q[:7], k[:7], pos[:7], **kw)
+        np.testing.assert_array_equal(back(qo)[:7], want_q)
+        np.testing.assert_array_equal(back(ko)[:7], want_k)
+        np.testing.assert_array_equal(back(qo)[7:], q[7:])  # in no segment: copied
+    q1, k1 = conv(q), conv(k)
+    assert cfi.apply_rope_inplace(q1, k1, conv(indptr), conv(offsets), rotary_dim=32, rope_theta=500.0) is None
+    np.testing.assert_array_equal(back(q1)[:7], cfi.apply_rope_pos_ids(q[:7], k[:7], pos[:7], rotary_dim=32,
+                                                                       rope_theta=500.0)[0])
+    q1, k1 = conv(q), conv(k)
+    cfi.apply_llama31_rope_inplace(q1, k1, conv(indptr), conv(offsets))
+    np.testing.assert_array_equal(back(k1)[:7], cfi.apply_llama31_rope_pos_ids(q[:7], k[:7], pos[:7])[1])
+    with pytest.raises(ValueError, match="`offsets`"):
+        cfi.apply_rope(conv(q), conv(k), conv(indptr), conv(offsets[:2]))
+    with pytest.raises(TypeError, match="`indptr`"):
+        cfi.apply_rope(conv(q), conv(k), conv(indptr.astype(np.float32)), conv(offsets))
+
+
 def test_drop_ins_torch():
     torch = pytest.importorskip("torch")
 
