@@ -478,8 +478,9 @@ def _draw_pos(seed: int, rng, backend: str) -> Case:
     if with_k and rng.random() < 0.35:  # q and k: views of one fused [.., (h + 2h) * d] projection
         proj = data(lead + (3 * h * d,))
         sd = proj.strides[-1]
-        case.arrays["q"] = Laid(proj.base, proj.offset, lead + (h * d,), proj.strides, "fused")
-        case.arrays["k"] = Laid(proj.base, proj.offset + h * d * sd, lead + (h * d,), proj.strides, "fused")
+        mode = "expanded" if proj.mode == "expanded" else "fused"  # stride 0: not writable in place
+        case.arrays["q"] = Laid(proj.base, proj.offset, lead + (h * d,), proj.strides, mode)
+        case.arrays["k"] = Laid(proj.base, proj.offset + h * d * sd, lead + (h * d,), proj.strides, mode)
         flat = True
     else:
         case.arrays["q"] = data(lead + ((h * d,) if flat else (h, d)))
