@@ -3,6 +3,7 @@ positions code (``cupy_rope/_plan.py``, ``cupy_rope/_positions.py``) and check t
 (NumPy backend and host build of the kernels) catches each one that still builds.
 
     python benchmarks/mutation.py --count 40 --jobs 2 --json mutation.json
+    python benchmarks/mutation.py --changed-since REV --count 30    # only lines added since REV
 
 Each mutant changes one token on one line of the kernel source (an arithmetic or comparison
 operator, a logical operator, a small integer constant, or a whole statement removed), chosen
@@ -26,9 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py", "cupy_rope/_worksplit.py", "cupy_rope/_abi.py",
-         "cupy_rope/_positions.py")
-TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py",
+FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
+         "cupy_rope/_worksplit.py", "cupy_rope/_abi.py", "cupy_rope/_positions.py", "cupy_rope/_numpy_backend.py")
+TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py", "tests/test_positions.py",
          "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
          "tests/test_cpu_matrix.py::test_work_split_ends",
          "tests/test_safety.py", "tests/test_errors.py", "tests/test_shims_cpu.py"]
@@ -66,6 +67,22 @@ def candidates():
     return out
 
 
+def added_lines(rev: str) -> dict:
+    """{file: set of 0-based line numbers} added or changed since git revision ``rev``."""
+    out: dict = {}
+    diff = subprocess.run(["git", "diff", "-U0", rev, "--", *FILES], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    f = None
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            f = line[6:] if line.startswith("+++ b/") else None
+        m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
+        if m and f:
+            start, n = int(m.group(1)), int(m.group(2) or 1)
+            out.setdefault(f, set()).update(range(start - 1, start - 1 + n))
+    return out
+
+
 def run_mutant(m, timeout):
     f, i, orig, new, what = m
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,8 +114,12 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=600, help="seconds per mutant's tests")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--changed-since", metavar="REV", help="only mutants of lines added or changed since REV")
     a = ap.parse_args(argv)
     cands = candidates()
+    if a.changed_since:
+        added = added_lines(a.changed_since)
+        cands = [c for c in cands if c[1] in added.get(c[0], ())]
     picked = random.Random(a.seed).sample(cands, min(a.count, len(cands)))
     results = []
     with cf.ThreadPoolExecutor(a.jobs) as ex:

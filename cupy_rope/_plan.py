@@ -601,7 +601,7 @@ def head_view(a: ArrayInfo, head_size, name: str, ntok: int) -> ArrayInfo:
         raise _err("head_size", f"the head size, to split the last dimension of `{name}` "
                    f"{tuple(a.shape)}", "None")
     width = a.shape[-1]
-    if head_size < 1 or width % head_size:
+    if width % head_size:  # head_size >= 1 (checked by the caller)
         raise _err("head_size", f"a divisor of the last dimension of `{name}` ({width})", head_size)
     sd = a.strides[-1]
     return ArrayInfo(tuple(a.shape[:-1]) + (width // head_size, head_size),

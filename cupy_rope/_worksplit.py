@@ -36,18 +36,19 @@ def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
     return 1
 
 
-def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int, off: int = 0):
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
     """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
     n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
-    units of ``tail_w`` vectors (the pass-through channels before the rotary slice, which starts
-    at channel ``off``, then those after it; a tail unit never spans both). A thread takes one
+    units of ``tail_w`` vectors (the pass-through channels; with the rotary slice at an offset,
+    those before it, then those after it: the kernel places each vector on its own, and the
+    offset is a multiple of ``vec``, so no vector spans both). A thread takes one
     unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
     ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
     threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
     tail = d - d2
-    tail_w = 2 if off % (2 * vec) == 0 and (tail - off) % (2 * vec) == 0 else 1
+    tail_w = 2 if tail % (2 * vec) == 0 else 1
     n_units = n_rot + tail // (tail_w * vec)
     per_chunk = n_tok * n_sets * n_units
     chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
@@ -74,7 +75,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
     ys0, ys1 = token_strides(plan.layout, y)
     xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
-                                                         vec, sm_count, plan.rot_off)
+                                                         vec, sm_count)
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
