@@ -66,7 +66,7 @@ def run_check(dev, quick=False, dtype=None, layout=None):
     if quick:
         cases = cases[::4]
     failures = []
-    prog = progress(2 * len(cases) + 6, "check")
+    prog = progress(2 * len(cases) + 6 + 2 * len(_POS_CASES), "check")
     for case in cases:
         x, freqs, kw = testing.inputs(case)
         dkw = {k: _to_dev(v, dev) for k, v in kw.items()}
@@ -111,8 +111,49 @@ def run_check(dev, quick=False, dtype=None, layout=None):
         except Exception as e:
             failures.append(f"qkv {lay} bwd: {e}")
         prog.update()
+    n_pos = _check_positions(dev, dtype, failures, prog)
     prog.close()
-    return len(cases) * 2 + 6, failures
+    return len(cases) * 2 + 6 + n_pos, failures
+
+
+# the positions API: (table kind, table dtype or None, interleaved, rope_dim_offset, inverse, d, d2)
+_POS_CASES = [("cos_sin_cache", "float32", False, 0, False, 128, 128), ("cos_sin_cache", "same", True, 0, True, 64, 32),
+              ("inv_freq", "float64", False, 64, False, 128, 64), ("freqs", "float32", True, 8, True, 80, 64)]
+
+
+def _check_positions(dev, dtype, failures, prog) -> int:
+    """q (flattened heads) and k (GQA) at random per-token positions, out of place and in place."""
+    for i, (tname, tdt, il, off, inv, d, d2) in enumerate(_POS_CASES):
+        rng = np.random.default_rng(100 + i)
+        dt = dtype or ("bfloat16", "float16", "float32")[i % 3]
+        npdt = testing.NP_DTYPES[dt]
+        rows = 64
+        pos = rng.integers(-2, rows + 2, 9)
+        q = rng.uniform(-1, 1, (9, 8 * d)).astype(npdt)
+        k = rng.uniform(-1, 1, (9, 2, d)).astype(npdt)
+        if tname == "cos_sin_cache":
+            table = cupy_rope.rope_cos_sin_cache(d2, rows, dtype="float32" if tdt == "float32" else dt)
+            kind, trows = "cos_sin", rows
+        elif tname == "inv_freq":
+            table, kind, trows = cupy_rope.rope_inv_freq(d2)[0], "inv_freq", 2**62
+        else:
+            table, kind, trows = cupy_rope.rope_freqs(d2, rows, interleaved=il)[:, 0, 0], "angles", rows
+        kw = dict(head_size=d, interleaved=il, rope_dim_offset=off, inverse=inv)
+        for inplace in (False, True):
+            try:
+                dq, dk = _to_dev(q.copy(), dev), _to_dev(k.copy(), dev)
+                qo, ko = cupy_rope.apply_rope_pos(_to_dev(pos, dev), dq, dk, **{tname: _to_dev(table, dev)}, **kw,
+                                                  inplace=inplace)
+                for name, x, y in (("q", q.reshape(9, 8, d), qo), ("k", k, ko)):
+                    ref = testing.rope_pos_ref(x, pos, kind, table, trows, il, off, inv)
+                    scale = np.abs(x.astype(np.float64))
+                    scale[..., off:off + d2] += scale[..., off:off + d2].max(axis=-1, keepdims=True)
+                    testing.assert_close_to_ref(_to_host(y).reshape(x.shape), ref, x, d2, dt,
+                                                f"positions {tname} {name}", scale=scale)
+            except Exception as e:
+                failures.append(f"positions {tname} {dt} {'in place' if inplace else 'out of place'}: {e}")
+            prog.update()
+    return 2 * len(_POS_CASES)
 
 
 def _short_bench_rows():
