@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from . import _interop, _launch, _numpy_backend, _plan
-from ._positions import check_cu_seqlens, check_index_contents
+from ._positions import check_cu_seqlens, check_index_contents, check_position_ids
 from ._worksplit import rope_launch
 
 _DEBUG = [os.environ.get("CUPY_ROPE_DEBUG", "") not in ("", "0")]
@@ -305,16 +305,6 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
     outputs = [] if inplace else [(i, p.shape, False, yv.ptr & 15) for i, p, yv in zip((0, 1), plans, yvs)]
     _launch.cache_put(key, prepared, outputs)
     return result
-
-
-def check_position_ids(ids, table_name: str, rows: int) -> None:
-    """The debug check of the positions API: every position inside the table."""
-    p = np.asarray(ids).astype(np.int64)
-    bad = np.nonzero((p < 0) | (p >= rows))
-    if bad[0].size:
-        idx = tuple(int(i[0]) for i in bad)
-        raise ValueError(f"cupy_rope: `{table_name}`: expected a row for every position (0 <= position < "
-                         f"{rows}), got position {int(p[idx])} at `positions`{list(idx)}")
 
 
 def apply_rope_pos(positions, q, k=None, *, cos_sin_cache=None, freqs=None, inv_freq=None, head_size=None,

@@ -122,3 +122,13 @@ def check_index_contents(pos: Positions, lead_shape: tuple, tables: dict, cu_seq
                              f"`start_positions`/`cu_seqlens` give (token {idx} is at {where}), got "
                              f"{rows} rows")
 
+
+
+def check_position_ids(ids, table_name: str, rows: int) -> None:
+    """The positions API's debug check: every position (host NumPy values) inside the table."""
+    p = np.asarray(ids).astype(np.int64)
+    bad = np.nonzero((p < 0) | (p >= rows))
+    if bad[0].size:
+        idx = tuple(int(i[0]) for i in bad)
+        raise ValueError(f"cupy_rope: `{table_name}`: expected a row for every position (0 <= position < "
+                         f"{rows}), got position {int(p[idx])} at `positions`{list(idx)}")

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _api, _freqs
+from . import _api, _freqs, _plan
 
 
 # ----------------------------------------------------------------------------- ops
@@ -196,9 +196,7 @@ _LIB.define(f"rope_pos_(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor ta
 
 
 def _tables(tname, table) -> dict:
-    from ._plan import TABLE_ARGS
-
-    return {n: (table if n == tname else None) for n in TABLE_ARGS}
+    return {n: (table if n == tname else None) for n in _plan.TABLE_ARGS}
 
 
 def _rope_pos_kernel(positions, q, k, table, tname, head_size, interleaved, rot_off, inverse):
@@ -484,14 +482,12 @@ def apply_rope_pos(positions: torch.Tensor, q: torch.Tensor, k: Optional[torch.T
         >>> qo.sum().backward(); q.grad.shape
         torch.Size([3, 256])
     """
-    from ._plan import check_bool, check_int, pick_table
-
-    tname, table = pick_table({"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq})
+    tname, table = _plan.pick_table({"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq})
     _check_tensors(positions=positions, q=q, **{tname: table}, **({"k": k} if k is not None else {}))
-    static = (tname, 0 if head_size is None else check_int("head_size", head_size, lo=1),
-              check_bool("interleaved", interleaved), check_int("rope_dim_offset", rope_dim_offset, lo=0),
-              check_bool("inverse", inverse))
-    if check_bool("inplace", inplace):
+    static = (tname, 0 if head_size is None else _plan.check_int("head_size", head_size, lo=1),
+              _plan.check_bool("interleaved", interleaved), _plan.check_int("rope_dim_offset", rope_dim_offset, lo=0),
+              _plan.check_bool("inverse", inverse))
+    if _plan.check_bool("inplace", inplace):
         if torch.compiler.is_compiling():
             torch.ops.cupy_rope.rope_pos_.default(positions, q, k, table, *static)
         else:
