@@ -297,6 +297,14 @@ def percall_rows(profile=None):
     add("torch: cupy_rope.torch.apply_rope_qk (q and k)",
         _wall_us(lambda: crt.apply_rope_qk(x, k, f, start_positions=sp), tsync),
         _wall_us(lambda: (formula(x), formula(k)), tsync))
+    import cupy_rope.vllm as crv
+
+    pos_t = sp.long()
+    qs, ks = torch.randn(b, h * d, device=dev, dtype=torch.bfloat16), torch.randn(b, 8 * d, device=dev,
+                                                                                 dtype=torch.bfloat16)
+    cs_cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, like=x)
+    add("torch: cupy_rope.vllm.rotary_embedding (serving, in place, 32q+8kv)",
+        _wall_us(lambda: crv.rotary_embedding(pos_t, qs, ks, d, cs_cache, True), tsync))
     xg = x.clone().requires_grad_(True)
     gy = torch.randn_like(x)
     add("torch: apply_rope forward+backward (autograd)",

@@ -29,6 +29,8 @@ def set_debug(enabled: bool) -> None:
         >>> cupy_rope.set_debug(False)
     """
     _DEBUG[0] = bool(enabled)
+    for listener in _launch.DEBUG_LISTENERS:
+        listener(_DEBUG[0])
 
 
 def debug_enabled() -> bool:

@@ -123,12 +123,20 @@ def launch(spec, stream: int, device: int, names=()) -> Prepared | None:
 _CACHE: dict = {}
 _CACHE_MAX = 4096
 _STATS = {"hits": 0, "misses": 0}
+# Set by a framework shim with a launch cache of its own (the torch shim's C++ path):
+# ``MIRROR(prepared, outputs)`` is told every launch a call used (hit or new); each of
+# DEBUG_LISTENERS is told when debug mode changes (cached launches skip its checks).
+MIRROR = None
+DEBUG_LISTENERS: list = []
+NATIVE_HITS: list = []  # functions returning a shim cache's hit count, for cache_info
 
 
 def cache_info() -> dict:
-    """Launch-cache counters: ``hits`` (calls that only patched addresses into a prepared launch),
-    ``misses`` (calls that were validated and planned in full), ``size`` (prepared launches kept)."""
-    return dict(_STATS, size=len(_CACHE))
+    """Launch-cache counters: ``hits`` (calls that only patched addresses into a prepared launch,
+    here or in a shim's own cache: ``native_hits``), ``misses`` (calls that were validated and
+    planned in full), ``size`` (prepared launches kept here)."""
+    native = sum(fn() for fn in NATIVE_HITS)
+    return dict(hits=_STATS["hits"] + native, misses=_STATS["misses"], size=len(_CACHE), native_hits=native)
 
 
 _KINDS: dict = {}  # array type -> "torch" / "cupy" / None (the exact types the cache serves)
@@ -215,6 +223,8 @@ def cached_call(key, ptrs, arrays, kind):
         results.append(y)
     prepared(_interop.current_stream(kind, prepared.device), ptrs)
     _STATS["hits"] += 1
+    if MIRROR is not None:
+        MIRROR(prepared, outputs)
     return results
 
 
@@ -226,8 +236,10 @@ def cache_put(key, prepared, outputs):
         return
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
-                              for i, shape, tr, al in outputs])
+    entry = _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
+                                      for i, shape, tr, al in outputs])
+    if MIRROR is not None:
+        MIRROR(*entry)
 
 
 def _same_shape(key, i, shape) -> bool:

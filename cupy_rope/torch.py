@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _api, _freqs, _plan
+from . import _api, _freqs, _plan, _torch_ext
 
 
 # ----------------------------------------------------------------------------- ops
@@ -65,12 +65,12 @@ def _rope_qk_inplace_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, c
                   ("dq", "dk") if backward else ("q", "k"))
 
 
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("rope", _rope_kernel, _key)
-    _LIB.impl("_rope_impl", _rope_kernel, _key)
-    _LIB.impl("rope_qk", _rope_qk_kernel, _key)
-    _LIB.impl("_rope_qk_impl", _rope_qk_kernel, _key)
-    _LIB.impl("rope_qk_", _rope_qk_inplace_kernel, _key)
+# The Python kernels, also as the C++ launch path's miss handlers (ops ``_py_<op>``).
+_LIB.define(f"_py_rope(Tensor x, Tensor freqs, {_POS_SCHEMA}, bool backward, bool transpose_output_memory) -> Tensor")
+_LIB.define(f"_py_rope_qk(Tensor q, Tensor k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> (Tensor, Tensor)")
+_LIB.define(f"_py_rope_qk_(Tensor(a!) q, Tensor(b!) k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> ()")
+_PY_KERNELS = {"rope": _rope_kernel, "_rope_impl": _rope_kernel, "rope_qk": _rope_qk_kernel,
+               "_rope_qk_impl": _rope_qk_kernel, "rope_qk_": _rope_qk_inplace_kernel}
 
 
 @torch.library.register_fake("cupy_rope::_rope_impl", lib=_LIB)
@@ -106,7 +106,7 @@ def _below_autograd(impl_op, kernel, op, lead, *args):
     if torch.compiler.is_compiling():
         return impl_op(*args)
     if _plain_cuda(lead):
-        return kernel(*args)
+        return impl_op(*args) if _EXT else kernel(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 
@@ -172,7 +172,7 @@ def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size,
     if _needs_grad(q, k):
         raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
                          "(an in-place rotation is not differentiable), got True")
-    if _plain_cuda(q):
+    if _plain_cuda(q) and not _EXT:
         _rope_qk_inplace_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
     else:
         with torch._C._AutoDispatchBelowAutograd():
@@ -209,10 +209,19 @@ def _rope_pos_inplace_kernel(positions, q, k, table, tname, head_size, interleav
     _api._rope_pos(positions, q, k, _tables(tname, table), head_size or None, interleaved, rot_off, inverse, True)
 
 
-for _key in ("CUDA", "CPU"):
-    _LIB.impl("rope_pos", _rope_pos_kernel, _key)
-    _LIB.impl("_rope_pos_impl", _rope_pos_kernel, _key)
-    _LIB.impl("rope_pos_", _rope_pos_inplace_kernel, _key)
+_LIB.define(f"_py_rope_pos(Tensor positions, Tensor q, Tensor? k, Tensor table, {_PP_SCHEMA}) -> Tensor[]")
+_LIB.define(f"_py_rope_pos_(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor table, {_PP_SCHEMA}) -> ()")
+_PY_KERNELS.update({"rope_pos": _rope_pos_kernel, "_rope_pos_impl": _rope_pos_kernel,
+                    "rope_pos_": _rope_pos_inplace_kernel})
+# CPU: the Python kernels. CUDA: the C++ launch path where it loads (cupy_rope._torch_ext), its
+# misses handled by the ``_py_`` ops; otherwise the Python kernels.
+_EXT = _torch_ext.load()
+for _name, _kernel in _PY_KERNELS.items():
+    _LIB.impl(_name, _kernel, "CPU")
+    if not _EXT:
+        _LIB.impl(_name, _kernel, "CUDA")
+for _name in ("rope", "rope_qk", "rope_qk_", "rope_pos", "rope_pos_"):
+    _LIB.impl(f"_py_{_name}", _torch_ext.resolving(_PY_KERNELS[_name]), "CUDA")
 
 
 @torch.library.register_fake("cupy_rope::_rope_pos_impl", lib=_LIB)
@@ -262,7 +271,7 @@ def _rope_pos_inplace_autograd(positions, q, k, table, *static):
     if _needs_grad(q, *([k] if k is not None else [])):
         raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
                          "(an in-place rotation is not differentiable), got True")
-    if _plain_cuda(q):
+    if _plain_cuda(q) and not _EXT:
         _rope_pos_inplace_kernel(positions, q, k, table, *static)
     else:
         with torch._C._AutoDispatchBelowAutograd():

@@ -88,7 +88,7 @@ def test_output_alignment_change_is_a_miss(cpu_cache):
 def test_api_uses_the_cache_only_for_cuda_and_cupy_arrays():
     assert _launch.cache_kind(np.zeros(3)) is None
     assert _launch.cache_kind(torch.zeros(3)) is None  # CPU tensors: the NumPy backend
-    assert set(_api.cache_info()) == {"hits", "misses", "size"}
+    assert set(_api.cache_info()) == {"hits", "misses", "size", "native_hits"}
 
 
 class FakeDriver:

@@ -1,0 +1,132 @@
+"""The torch shim's C++ launch path (``csrc/torch_launch.cpp``): build, load, feed.
+
+Built once per source version with torch's JIT extension builder (a C++ compiler and ninja;
+no CUDA toolkit, no CUDA headers) and cached by torch (``TORCH_EXTENSIONS_DIR``). Once loaded,
+the cupy_rope ops' CUDA kernels are C++: a call whose signature (shapes, strides, dtypes,
+devices, options, address alignment) was seen before launches from C++; any other call runs the
+Python path (op ``cupy_rope::_py_<op>``), which validates, plans, launches and hands its
+prepared launch to the C++ cache (:func:`mirror`).
+
+``CUPY_ROPE_TORCH_EXT``: ``auto`` (default: built and used where torch sees a CUDA device and
+the build tools are present; otherwise, or if the build fails, a warning and the Python path),
+``1`` (required: a failed build raises), ``0`` (never: the Python path).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import _launch
+
+SOURCE = Path(__file__).parent / "csrc" / "torch_launch.cpp"
+_state = threading.local()  # .on: this thread resolves a miss of the C++ path
+_LOADED: list = []
+
+
+def mode() -> str:
+    m = os.environ.get("CUPY_ROPE_TORCH_EXT", "auto").strip().lower() or "auto"
+    if m not in ("auto", "0", "1"):
+        raise ValueError(f"cupy_rope: environment variable CUPY_ROPE_TORCH_EXT: expected auto, 0 or 1, got {m!r}")
+    return m
+
+
+def missing_tools() -> str:
+    """Why the extension cannot be built here ('' when it can)."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return f"no C++ compiler ({cxx!r} or 'g++') on PATH"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed (pip install ninja)"
+    return ""
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (or find in torch's extension cache) and load the library; returns its path.
+    Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before the torch
+    shim registers its Python ones (the shim does)."""
+    from torch.utils import cpp_extension
+
+    why = missing_tools()
+    if why:
+        raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {why}")
+    name = "cupy_rope_torch_launch"
+    build_dir = cpp_extension._get_build_directory(name, verbose)
+    if not any(Path(build_dir).glob(f"{name}*.so")):
+        print("cupy_rope.torch: building the C++ launch path (once per version, about a minute; "
+              "CUPY_ROPE_TORCH_EXT=0 skips it)", file=sys.stderr, flush=True)
+    cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], is_python_module=False, verbose=verbose)
+    return build_dir
+
+
+def load() -> bool:
+    """Load the C++ path according to ``CUPY_ROPE_TORCH_EXT``; True when it serves the ops."""
+    m = mode()
+    if m == "0" or (m == "auto" and not torch.cuda.is_available()):
+        return False
+    try:
+        build()
+    except Exception as e:
+        if m == "1":
+            raise
+        warnings.warn(f"cupy_rope.torch: the C++ launch path is unavailable ({type(e).__name__}: {e}); "
+                      "using the Python launch path", RuntimeWarning, stacklevel=3)
+        return False
+    from . import _api
+
+    _LOADED.append(True)
+    _launch.MIRROR = mirror
+    _launch.DEBUG_LISTENERS.append(lambda debug: torch.ops.cupy_rope._ext_set_enabled(not debug))
+    _launch.NATIVE_HITS.append(lambda: info()["hits"])
+    torch.ops.cupy_rope._ext_set_enabled(not _api.debug_enabled())
+    return True
+
+
+def loaded() -> bool:
+    return bool(_LOADED)
+
+
+def resolving(fn):
+    """``fn`` run as the C++ path's miss handler: its launch is handed to the C++ cache."""
+    def run(*args):
+        _state.on = True
+        try:
+            return fn(*args)
+        finally:
+            _state.on = False
+    run.__name__ = fn.__name__
+    return run
+
+
+def mirror(prepared, outputs) -> None:
+    """Hand a prepared launch (:class:`cupy_rope._launch.Prepared`, its outputs as kept by the
+    launch cache) to the C++ cache, when this thread resolves a miss of the C++ path."""
+    if not getattr(_state, "on", False):
+        return
+    import ctypes
+
+    base = ctypes.addressof(prepared.buf)
+    outs = []
+    for like, shape, transposed, _same, align in outputs:
+        outs += [like, int(transposed), align, len(shape), *shape]
+    torch.ops.cupy_rope._ext_put(prepared.fptr, prepared.grid[0], prepared.grid[1], prepared.block,
+                                 list(prepared.buf), [(a - base) // 8 for a in prepared.argv],
+                                 [len(s) for s in prepared.slots], [w for s in prepared.slots for w in s], outs)
+
+
+def info() -> dict:
+    """The C++ launch cache's counters (``hits``, ``misses``, ``size``); empty when not loaded."""
+    if not _LOADED:
+        return {}
+    hits, misses, size = torch.ops.cupy_rope._ext_info()
+    return dict(hits=hits, misses=misses, size=size)

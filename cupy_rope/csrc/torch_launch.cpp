@@ -1,0 +1,310 @@
+// cupy_rope's torch launch path in C++ (the torch shim's CUDA kernels of the cupy_rope ops).
+//
+// One boxed dispatcher kernel serves every op (rope, rope_qk, rope_qk_, rope_pos, rope_pos_ and
+// the autograd-free _rope_impl / _rope_qk_impl / _rope_pos_impl). Per call it builds the call's
+// signature (each tensor's sizes, strides, dtype, device and address mod 16; every other
+// argument's value) and looks up the launch the Python path prepared for that signature. On a
+// hit: outputs from torch's caching allocator, the addresses written into a copy of the
+// prepared parameter blocks, cuLaunchKernel on torch's current stream. Nothing else: no
+// validation (the Python path validated this exact signature), no Python, no synchronisation.
+// On a miss (or in debug mode) it runs the Python op ``cupy_rope::_py_<op>`` on the same stack:
+// validation, plan, compile and launch in Python, which hands its prepared launch back through
+// ``cupy_rope::_ext_put`` for the next call with this signature.
+//
+// No CUDA headers: cuLaunchKernel is looked up in libcuda when first needed, torch's current
+// stream comes from c10's device-generic stream interface.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         void*, void**, void**);
+
+LaunchFn launch_fn() {
+  static LaunchFn fn = [] {
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(h != nullptr, "cupy_rope: cannot open libcuda.so.1");
+    auto f = reinterpret_cast<LaunchFn>(dlsym(h, "cuLaunchKernel"));
+    TORCH_CHECK(f != nullptr, "cupy_rope: libcuda has no cuLaunchKernel");
+    return f;
+  }();
+  return fn;
+}
+
+// The op families; ``n_arrays`` is the number of addresses the Python path's launch takes from
+// the arguments (in its order), ``inplace`` whether the outputs are the first two of them.
+enum Family { ROPE, QK, QK_INPLACE, POS, POS_INPLACE };
+
+struct Out {
+  int64_t like;
+  bool transposed;
+  int64_t align;
+  std::vector<int64_t> shape;
+};
+
+struct Entry {
+  void* fn;
+  unsigned gx, gy, block;
+  std::vector<int64_t> params;               // the packed parameter blocks, 64-bit words
+  std::vector<int64_t> blocks;               // word offset of each parameter block
+  std::vector<std::vector<int64_t>> slots;   // per address (in launch order): its words
+  std::vector<Out> outs;
+};
+
+using Key = std::vector<int64_t>;
+struct KeyHash {
+  size_t operator()(const Key& k) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t v : k) {
+      h ^= static_cast<uint64_t>(v);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+std::mutex mu;
+std::unordered_map<Key, std::shared_ptr<const Entry>, KeyHash> cache;
+bool enabled = true;
+std::atomic<int64_t> hits{0}, misses{0};
+constexpr size_t kMaxEntries = 4096;
+thread_local const Key* pending = nullptr;  // the signature a miss is resolving on this thread
+
+void push_string(Key& key, c10::string_view s) {
+  key.push_back(static_cast<int64_t>(s.size()));
+  for (char c : s) key.push_back(c);
+}
+
+void push_tensor(Key& key, const at::Tensor& t) {
+  key.push_back(t.dim());
+  for (int64_t s : t.sizes()) key.push_back(s);
+  for (int64_t s : t.strides()) key.push_back(s);
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.device().index());
+  key.push_back(reinterpret_cast<intptr_t>(t.data_ptr()) & 15);
+}
+
+// The signature of a call: the op, then every argument (tensors described, None marked).
+bool make_key(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args, Key& key) {
+  key.push_back(reinterpret_cast<intptr_t>(&op.schema()));
+  for (const auto& a : args) {
+    if (a.isTensor()) {
+      const auto& t = a.toTensor();
+      if (!t.is_cuda()) return false;
+      key.push_back(1);
+      push_tensor(key, t);
+    } else if (a.isNone()) {
+      key.push_back(2);
+    } else if (a.isBool()) {
+      key.push_back(3);
+      key.push_back(a.toBool());
+    } else if (a.isInt()) {
+      key.push_back(4);
+      key.push_back(a.toInt());
+    } else if (a.isString()) {
+      key.push_back(5);
+      push_string(key, a.toStringView());
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+Family family_of(const std::string& name) {
+  if (name == "cupy_rope::rope" || name == "cupy_rope::_rope_impl") return ROPE;
+  if (name == "cupy_rope::rope_qk" || name == "cupy_rope::_rope_qk_impl") return QK;
+  if (name == "cupy_rope::rope_qk_") return QK_INPLACE;
+  if (name == "cupy_rope::rope_pos" || name == "cupy_rope::_rope_pos_impl") return POS;
+  return POS_INPLACE;
+}
+
+const char* py_op_of(Family f) {
+  switch (f) {
+    case ROPE: return "cupy_rope::_py_rope";
+    case QK: return "cupy_rope::_py_rope_qk";
+    case QK_INPLACE: return "cupy_rope::_py_rope_qk_";
+    case POS: return "cupy_rope::_py_rope_pos";
+    default: return "cupy_rope::_py_rope_pos_";
+  }
+}
+
+// The arrays whose addresses the launch takes, in the Python path's order (None: address 0).
+std::vector<const at::Tensor*> launch_arrays(Family f, c10::ArrayRef<c10::IValue> a) {
+  auto t = [&](size_t i) -> const at::Tensor* { return a[i].isTensor() ? &a[i].toTensor() : nullptr; };
+  switch (f) {
+    case ROPE: return {t(0), t(1), t(4), t(5)};               // x, freqs, cu_seqlens, start_positions
+    case QK: case QK_INPLACE: return {t(0), t(1), t(2), t(5), t(6)};  // q, k, freqs, cu, sp
+    default: return {t(1), t(2), t(3), t(0)};                // q, k, table, positions
+  }
+}
+
+void run_python(const c10::OperatorHandle& op, Family f, const Key* key, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle* handles[5] = {};
+  if (handles[f] == nullptr) {
+    static std::mutex hmu;
+    std::lock_guard<std::mutex> g(hmu);
+    if (handles[f] == nullptr)
+      handles[f] = new c10::OperatorHandle(c10::Dispatcher::singleton().findSchemaOrThrow(py_op_of(f), ""));
+  }
+  const Key* prev = pending;
+  pending = key;
+  try {
+    handles[f]->callBoxed(stack);
+  } catch (...) {
+    pending = prev;
+    throw;
+  }
+  pending = prev;
+}
+
+// A hit: allocate, patch, launch, leave the returns on the stack. False (nothing done) when an
+// output's address alignment differs from the prepared launch's.
+bool run_cached(const Entry& e, Family f, torch::jit::Stack* stack, size_t nargs) {
+  auto args = torch::jit::last(*stack, nargs);
+  auto arrays = launch_arrays(f, args);
+  const at::Tensor& lead = *arrays[0];
+  std::vector<at::Tensor> outs;
+  outs.reserve(e.outs.size());
+  std::vector<int64_t> addr;
+  addr.reserve(arrays.size() + 2);
+  for (const at::Tensor* a : arrays) addr.push_back(a ? reinterpret_cast<intptr_t>(a->data_ptr()) : 0);
+  if (f == QK_INPLACE || f == POS_INPLACE) {
+    addr.push_back(addr[0]);
+    addr.push_back(addr[1]);
+  }
+  for (const Out& o : e.outs) {
+    const at::Tensor& like = *arrays[o.like];
+    at::Tensor y;
+    if (o.transposed) {
+      std::vector<int64_t> alloc(o.shape);
+      std::swap(alloc[0], alloc[1]);
+      y = at::empty(alloc, like.options()).permute({1, 0, 2, 3});
+    } else {
+      y = at::empty(o.shape, like.options());
+    }
+    int64_t p = reinterpret_cast<intptr_t>(y.data_ptr());
+    if ((p & 15) != o.align) return false;
+    addr.push_back(p);
+    outs.push_back(std::move(y));
+  }
+  std::vector<int64_t> params(e.params);
+  for (size_t i = 0; i < e.slots.size() && i < addr.size(); ++i)
+    for (int64_t w : e.slots[i]) params[w] = addr[i];
+  void* argv[4];
+  for (size_t i = 0; i < e.blocks.size(); ++i) argv[i] = params.data() + e.blocks[i];
+  c10::DeviceGuard guard(lead.device());
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(lead.device()).native_handle();
+  int rc = launch_fn()(e.fn, e.gx, e.gy, 1, e.block, 1, 1, 0, stream, argv, nullptr);
+  TORCH_CHECK(rc == 0, "cupy_rope: cuLaunchKernel failed with CUresult ", rc);
+  torch::jit::drop(*stack, nargs);
+  switch (f) {
+    case ROPE: torch::jit::push(*stack, std::move(outs[0])); break;
+    case QK: torch::jit::push(*stack, std::move(outs[0]), std::move(outs[1])); break;
+    case POS: {
+      c10::List<at::Tensor> l;
+      for (auto& y : outs) l.push_back(std::move(y));
+      torch::jit::push(*stack, std::move(l));
+      break;
+    }
+    default: break;
+  }
+  return true;
+}
+
+void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  Family f = family_of(schema.name());
+  size_t nargs = schema.arguments().size();
+  Key key;
+  key.reserve(64);
+  bool keyed = make_key(op, torch::jit::last(*stack, nargs), key);
+  std::shared_ptr<const Entry> e;
+  if (keyed) {
+    std::lock_guard<std::mutex> g(mu);
+    if (enabled) {
+      auto it = cache.find(key);
+      if (it != cache.end()) e = it->second;
+    }
+  }
+  if (e && run_cached(*e, f, stack, nargs)) {
+    ++hits;
+    return;
+  }
+  ++misses;
+  run_python(op, f, keyed ? &key : nullptr, stack);
+}
+
+// Called by the Python path (while it resolves a miss of this thread) with its prepared launch.
+void ext_put(int64_t fn, int64_t gx, int64_t gy, int64_t block, c10::ArrayRef<int64_t> params,
+             c10::ArrayRef<int64_t> blocks, c10::ArrayRef<int64_t> slot_counts,
+             c10::ArrayRef<int64_t> slot_words, c10::ArrayRef<int64_t> outs) {
+  if (pending == nullptr) return;
+  TORCH_CHECK(blocks.size() <= 4, "cupy_rope: at most 4 parameter blocks");
+  auto e = std::make_shared<Entry>();
+  e->fn = reinterpret_cast<void*>(static_cast<intptr_t>(fn));
+  e->gx = static_cast<unsigned>(gx);
+  e->gy = static_cast<unsigned>(gy);
+  e->block = static_cast<unsigned>(block);
+  e->params.assign(params.begin(), params.end());
+  e->blocks.assign(blocks.begin(), blocks.end());
+  size_t w = 0;
+  for (int64_t n : slot_counts) {
+    e->slots.emplace_back(slot_words.begin() + w, slot_words.begin() + w + n);
+    w += n;
+  }
+  for (size_t i = 0; i < outs.size();) {  // like, transposed, align, ndim, dims...
+    Out o{outs[i], outs[i + 1] != 0, outs[i + 2], {}};
+    int64_t nd = outs[i + 3];
+    o.shape.assign(outs.begin() + i + 4, outs.begin() + i + 4 + nd);
+    e->outs.push_back(std::move(o));
+    i += 4 + nd;
+  }
+  std::lock_guard<std::mutex> g(mu);
+  if (!enabled) return;
+  if (cache.size() >= kMaxEntries) cache.clear();
+  cache[*pending] = std::move(e);
+}
+
+// enabled = false (debug mode): every call takes the Python path; the cache is dropped.
+void ext_set_enabled(bool on) {
+  std::lock_guard<std::mutex> g(mu);
+  enabled = on;
+  cache.clear();
+}
+
+std::vector<int64_t> ext_info() {
+  std::lock_guard<std::mutex> g(mu);
+  return {hits.load(), misses.load(), static_cast<int64_t>(cache.size())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cupy_rope, m) {
+  m.def("_ext_put(int fn, int gx, int gy, int block, int[] params, int[] blocks, int[] slot_counts, "
+        "int[] slot_words, int[] outs) -> ()", &ext_put);
+  m.def("_ext_set_enabled(bool on) -> ()", &ext_set_enabled);
+  m.def("_ext_info() -> int[]", &ext_info);
+}
+
+TORCH_LIBRARY_IMPL(cupy_rope, CUDA, m) {
+  for (const char* name : {"rope", "_rope_impl", "rope_qk", "_rope_qk_impl", "rope_qk_", "rope_pos",
+                           "_rope_pos_impl", "rope_pos_"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&kernel>());
+}

@@ -1,0 +1,200 @@
+"""The torch shim's C++ launch path (cupy_rope/csrc/torch_launch.cpp, cupy_rope/_torch_ext.py).
+
+CPU: the library builds with torch's extension builder and loads beside the Python kernels (a
+subprocess with ``CUPY_ROPE_TORCH_EXT=1``); the environment switch is validated. GPU: every op
+served from the C++ cache gives the Python path's exact results (out of place, in place,
+transposed output, q alone, strided views, other address alignments), debug mode bypasses it,
+CUDA graphs capture it.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupy_rope
+
+torch = pytest.importorskip("torch")
+
+
+def _run(code: str, mode: str):
+    env = dict(os.environ, CUPY_ROPE_TORCH_EXT=mode)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_env_switch_is_validated(monkeypatch):
+    from cupy_rope import _torch_ext
+
+    monkeypatch.setenv("CUPY_ROPE_TORCH_EXT", "yes")
+    with pytest.raises(ValueError, match="CUPY_ROPE_TORCH_EXT: expected auto, 0 or 1, got 'yes'"):
+        _torch_ext.mode()
+    monkeypatch.setenv("CUPY_ROPE_TORCH_EXT", "0")
+    assert _torch_ext.mode() == "0"
+
+
+def test_builds_and_loads_beside_the_cpu_kernels():
+    from cupy_rope import _torch_ext
+
+    why = _torch_ext.missing_tools()
+    if why:
+        pytest.skip(f"cannot build the C++ launch path here: {why}")
+    code = (
+        "import torch, numpy as np, cupy_rope, cupy_rope.torch as crt\n"
+        "from cupy_rope import _torch_ext\n"
+        "assert crt._EXT and _torch_ext.loaded()\n"
+        "assert _torch_ext.info() == dict(hits=0, misses=0, size=0), _torch_ext.info()\n"
+        "torch.ops.cupy_rope._ext_put(1, 1, 1, 32, [0, 0], [0, 1], [1], [0], [])  # no miss pending: ignored\n"
+        "assert _torch_ext.info()['size'] == 0\n"
+        "f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))\n"
+        "x = torch.randn(16, 2, 4, 64)\n"
+        "y = crt.apply_rope(x, f)\n"
+        "assert torch.equal(y, cupy_rope.apply_rope(x, f))\n"
+        "q, k = torch.ops.cupy_rope.rope_qk(x, x, f, 'sbhd', False, None, None, 1, 0, False)\n"
+        "assert torch.equal(q, y) and torch.equal(k, y)\n"
+        "cupy_rope.set_debug(True); cupy_rope.set_debug(False)\n"
+        "print('ok')\n"
+    )
+    r = _run(code, "1")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_off_switch_keeps_the_python_kernels():
+    r = _run("import cupy_rope.torch as crt; from cupy_rope import _torch_ext; "
+             "assert not crt._EXT and _torch_ext.info() == {}; print('ok')", "0")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- GPU
+def _ext_or_skip():
+    import cupy_rope.torch as crt
+    from cupy_rope import _torch_ext
+
+    if not crt._EXT:
+        pytest.skip("the C++ launch path is not loaded (CUPY_ROPE_TORCH_EXT or build tools)")
+    return crt, _torch_ext
+
+
+def _hits():
+    from cupy_rope import _torch_ext
+
+    return _torch_ext.info()["hits"]
+
+
+def _offset(t, elems: int):
+    """``t``'s values at an address ``elems`` elements past a fresh allocation's."""
+    buf = torch.empty(t.numel() + elems, dtype=t.dtype, device=t.device)
+    v = buf[elems:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_every_op_from_the_cpp_cache_matches_the_python_path(dtype):
+    crt, _ = _ext_or_skip()
+    dt = getattr(torch, dtype)
+    rng = np.random.default_rng(7)
+    f = torch.from_numpy(cupy_rope.rope_freqs(64, 256)).cuda()
+    sp = torch.from_numpy(rng.integers(0, 100, 4).astype(np.int32)).cuda()
+    cs = torch.from_numpy(cupy_rope.rope_cos_sin_cache(64, 256)).cuda()
+    pos = torch.from_numpy(rng.integers(-3, 260, 24)).cuda()
+    ops = torch.ops.cupy_rope
+    for trial in range(3):
+        qkv = torch.randn(4, 6, 3, 4, 64, device="cuda", dtype=dt)  # bshd views of a fused projection
+        q, k = qkv[:, :, 0], qkv[:, :, 1]
+        xs = torch.randn(6, 4, 4, 64, device="cuda", dtype=dt)
+        qt, kt = torch.randn(24, 4 * 64, device="cuda", dtype=dt), torch.randn(24, 2, 64, device="cuda", dtype=dt)
+        if trial == 2:  # other address alignments than the cached launches': a new launch each
+            q, xs, qt = _offset(q, 4), _offset(xs, 2), _offset(qt, 1)
+        want_rope = cupy_rope.apply_rope(xs, f, "sbhd", start_positions=sp)  # the Python path
+        want_tom = cupy_rope.apply_rope(xs, f, "sbhd", transpose_output_memory=True)
+        want_qk = cupy_rope.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
+        want_pos = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=64)
+        want_pos_q = cupy_rope.apply_rope_pos(pos, qt, None, freqs=f, head_size=64, inverse=True)
+        for rep in range(3):
+            before = _hits()
+            got = ops.rope(xs, f, "sbhd", False, None, sp, 1, 0, False, False)
+            assert torch.equal(got, want_rope)
+            got = ops._rope_impl(xs, f, "sbhd", False, None, None, 1, 0, False, True)
+            assert torch.equal(got, want_tom) and got.stride() == want_tom.stride()
+            gq, gk = ops.rope_qk(q, k, f, "bshd", False, None, sp, 1, 0, False)
+            assert torch.equal(gq, want_qk[0]) and torch.equal(gk, want_qk[1])
+            gq, gk = ops._rope_qk_impl(q, k, f, "bshd", False, None, sp, 1, 0, False)
+            assert torch.equal(gq, want_qk[0]) and torch.equal(gk, want_qk[1])
+            iq, ik = q.clone(), k.clone()
+            ops.rope_qk_(iq, ik, f, "bshd", False, None, sp, 1, 0, False)
+            assert torch.equal(iq, want_qk[0]) and torch.equal(ik, want_qk[1])
+            res = ops.rope_pos(pos, qt, kt, cs, "cos_sin_cache", 64, False, 0, False)
+            assert len(res) == 2 and torch.equal(res[0], want_pos[0]) and torch.equal(res[1], want_pos[1])
+            res = ops._rope_pos_impl(pos, qt, None, f, "freqs", 64, False, 0, True)
+            assert len(res) == 1 and torch.equal(res[0], want_pos_q[0])
+            iq, ik = qt.clone(), kt.clone()
+            ops.rope_pos_(pos, iq, ik, cs, "cos_sin_cache", 64, False, 0, False)
+            assert torch.equal(iq, want_pos[0]) and torch.equal(ik, want_pos[1])
+            if rep:  # every call after the first of each signature: served by C++
+                assert _hits() == before + 8
+
+
+@pytest.mark.gpu
+def test_gpu_public_functions_and_autograd_use_the_cpp_path():
+    crt, _ = _ext_or_skip()
+    f = torch.from_numpy(cupy_rope.rope_freqs(128, 512)).cuda()
+    x = torch.randn(64, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(64, 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    crt.apply_rope_qk(x, k, f)[0].sum().backward()
+    before = _hits()
+    q_out, k_out = crt.apply_rope_qk(x, k, f)
+    (q_out.float().square().sum() + k_out.float().sum()).backward()
+    assert _hits() == before + 2  # forward and backward
+    with torch.no_grad():
+        want = cupy_rope.apply_rope(x, f)
+        assert torch.equal(crt.apply_rope(x, f), want)
+
+
+@pytest.mark.gpu
+def test_gpu_debug_mode_bypasses_the_cpp_cache():
+    crt, _ = _ext_or_skip()
+    f = torch.from_numpy(cupy_rope.rope_freqs(64, 16)).cuda()
+    x = torch.randn(8, 2, 4, 64, device="cuda")
+    sp = torch.tensor([0, 12], dtype=torch.int32, device="cuda")  # 12 + 8 > 16 rows
+    crt.apply_rope(x, f, start_positions=sp)
+    crt.apply_rope(x, f, start_positions=sp)  # cached
+    cupy_rope.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="start_positions"):
+            crt.apply_rope(x, f, start_positions=sp)
+    finally:
+        cupy_rope.set_debug(False)
+    before = _hits()
+    crt.apply_rope(x, f, start_positions=sp)
+    crt.apply_rope(x, f, start_positions=sp)
+    assert _hits() == before + 1  # the cache was dropped: one miss, then hits again
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_the_cpp_launch():
+    crt, _ = _ext_or_skip()
+    f = torch.from_numpy(cupy_rope.rope_freqs(128, 4096)).cuda()
+    q = torch.randn(1, 64, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    sp = torch.randint(0, 4000, (64,), device="cuda", dtype=torch.int32)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            crt.apply_rope_qk(q, k, f, start_positions=sp)
+    torch.cuda.current_stream().wait_stream(s)
+    before = _hits()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = crt.apply_rope_qk(q, k, f, start_positions=sp)
+    assert _hits() == before + 1
+    for _ in range(2):
+        q.copy_(torch.randn_like(q)), k.copy_(torch.randn_like(k))
+        sp.copy_(torch.randint(0, 4000, (64,), device="cuda", dtype=torch.int32))
+        g.replay()
+        want = cupy_rope.apply_rope_qk(q, k, f, start_positions=sp)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
