@@ -90,6 +90,8 @@ def _torch_model(cfg, variant, seed=0):
         positions = torch.arange(s, device=dev)[None, :].expand(b, s)
     ang = freqs.reshape(MAX_POS, d)[positions]  # [b, s, d]
     cos, sin = ang.cos().to(dt)[:, :, None, :], ang.sin().to(dt)[:, :, None, :]
+    for t in (cos, sin) + ((sp,) if sp is not None else ()):  # constant buffers of the model (as
+        torch._dynamo.mark_static_address(t)  # torch marks a module's buffers; freqs: rope_freqs does)
 
     def rotate_half(t):
         return torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)
@@ -213,6 +215,15 @@ def _jax_step(cfg, variant, kind):
 
 
 # ----------------------------------------------------------------------------- end to end
+def _launch_counts() -> dict:
+    """Launch-cache counters (Python path and the torch shim's C++ path), to show per row how
+    the timed calls were served."""
+    from cupy_rope import _launch
+
+    info = _launch.cache_info()
+    return dict(hits=info["hits"], misses=info["misses"], native_hits=info["native_hits"])
+
+
 def model_rows(configs, modes, kinds, rounds):
     rows = []
     jobs = [(c, m, k) for c in configs for m in modes for k in kinds]
@@ -223,10 +234,12 @@ def model_rows(configs, modes, kinds, rounds):
         try:
             for variant in ("formula", "cupy_rope"):
                 step, sync = _jax_step(cfg, variant, kind) if fw == "jax" else _torch_step(cfg, variant, mode, kind)
+                before = _launch_counts()
                 times[variant] = _median_step_ms(step, sync, rounds=rounds)
+            after = _launch_counts()
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
                              cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],
-                             shape=cfg))
+                             shape=cfg, launch_cache={k: after[k] - before[k] for k in after}))
         except Exception as e:  # recorded, never hidden
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, error=f"{type(e).__name__}: {e}"[:400]))
         tqdm.write(json.dumps({k: v for k, v in rows[-1].items() if k != "shape"}))

@@ -161,8 +161,8 @@ if "model" in what:
     from torch.profiler import ProfilerActivity, profile
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import model as M
-    for mode in ("compile", "reduce-overhead"):
-        for kind in ("infer", "train"):
+    for mode in os.environ.get("PROBE_MODES", "compile,reduce-overhead").split(","):
+        for kind in os.environ.get("PROBE_KINDS", "infer,train").split(","):
             for variant in ("formula", "cupy_rope"):
                 step, sync = M._torch_step(M.CONFIGS["prefill"], variant, mode, kind)
                 for _ in range(5):

@@ -257,5 +257,5 @@ def to_like(a: np.ndarray, like):
 
         return jax.device_put(a, next(iter(like.devices())))
     if kind == "torch":
-        return _interop.from_numpy(a, "torch").to(like.device)
+        return _interop.static_table(_interop.from_numpy(a, "torch").to(like.device))
     raise TypeError(f"cupy_rope: `like`: expected a NumPy, CuPy, torch or JAX array, got {type(like).__name__}")

@@ -152,6 +152,20 @@ def from_numpy(y: np.ndarray, kind: str, like=None):
     return y
 
 
+def static_table(t):
+    """A torch table built once and kept (``rope_freqs`` / ``rope_cos_sin_cache`` with ``like``)
+    marked as an input whose address stays the same across calls of a compiled function
+    (``torch._dynamo.mark_static_address``, unguarded), as torch marks a module's buffers:
+    CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) then read it in place instead of
+    copying it into the graph's own input buffer on every replay. A table at another address
+    makes them record again; nothing else changes."""
+    if t.is_cuda:
+        import torch._dynamo
+
+        torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
 def write_into(out, kind: str, y: np.ndarray) -> None:
     """Copy a NumPy result into a caller-provided CPU output (any strides)."""
     if kind == "torch":

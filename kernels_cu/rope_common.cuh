@@ -402,27 +402,6 @@ __device__ __forceinline__ void table_sincos(i64 kind, i64 addr, i64 pos, i64 sr
 #endif
 constexpr int kAnyMode = -1;
 
-// A loaded row (vectors a, b) rotated in `mode` (held cos/sin cm/sm, or fresh from o.trow) and
-// stored at o; PAIR false: one vector, copied.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
-__device__ __forceinline__ void finish_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const OutRow<T>& o,
-                                           const float* cm, const float* sm, i64 c0, i64 c1) {
-  if (PAIR && mode != kCopy) {
-    float v[2 * V];
-    to_floats<T, V>(a, v);
-    to_floats<T, V>(b, v + V);
-    if (mode == kHeld) {
-      rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
-    } else {
-      rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
-    }
-    from_floats<T, V>(v, a);
-    from_floats<T, V>(v + V, b);
-  }
-  store_vec<T, V>(o.p0, a);
-  if (PAIR) store_vec<T, V>(o.p1, b);
-}
-
 // One thread's work: rows k = 0 .. cnt-1 (cnt >= 1) of one unit (c0, c1: its channels). `rows`
 // gives each row's input vectors (rows.in(k, p0, p1)) and its OutRow (rows.out(k)), called for
 // k in increasing order. Row k + Rows::kDepth is loaded before row k is processed and stored, so that
@@ -452,7 +431,21 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      finish_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], o, cm, sm, c0, c1);
+      const int mode = MODE == kAnyMode ? o.mode : MODE;
+      if (PAIR && mode != kCopy) {
+        float v[2 * V];
+        to_floats<T, V>(a[s], v);
+        to_floats<T, V>(b[s], v + V);
+        if (mode == kHeld) {
+          rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
+        } else {
+          rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
+        }
+        from_floats<T, V>(v, a[s]);
+        from_floats<T, V>(v + V, b[s]);
+      }
+      store_vec<T, V>(o.p0, a[s]);
+      if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
   }
 }
@@ -466,32 +459,15 @@ __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
     const T *p0, *p1;
     rows.in(k, p0, p1);
     Vec<T, V> a = load_vec<T, V>(p0), b = load_vec<T, V>(p1);
-    finish_row<T, V, INTERLEAVED, BACKWARD, true>(kFresh, a, b, rows.out(k), nullptr, nullptr, c0, c1);
-  }
-}
-
-// A unit of one row (decode-sized launches: a thread per row): the row's loads are issued before
-// init's position and table loads, so that their latencies overlap instead of adding up. Only
-// two vectors are live across init. Uniform rows in kFresh mode take fresh_rows (out of line).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
-__device__ __forceinline__ void one_row(Rows& rows, Init init, float* cm, float* sm, i64 c0, i64 c1) {
-  const Rows start = rows;
-  const T *p0, *p1;
-  rows.in(0, p0, p1);
-  Vec<T, V> a = load_vec<T, V>(p0), b = load_vec<T, V>(p1);
-  init(cm, sm);
-  if constexpr (Rows::kUniform) {
-    if (rows.mode == kFresh) {
-      Rows again = start;
-      again.mode = rows.mode;
-      again.trow = rows.trow;
-      fresh_rows<T, V, INTERLEAVED, BACKWARD>(1, again, c0, c1);
-      return;
-    }
-    finish_row<T, V, INTERLEAVED, BACKWARD, true>(rows.mode, a, b, rows.out(0), cm, sm, c0, c1);
-  } else {
-    const OutRow<T> o = rows.out(0);
-    finish_row<T, V, INTERLEAVED, BACKWARD, true>(o.mode, a, b, o, cm, sm, c0, c1);
+    const OutRow<T> o = rows.out(k);
+    float v[2 * V];
+    to_floats<T, V>(a, v);
+    to_floats<T, V>(b, v + V);
+    rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
+    from_floats<T, V>(v, a);
+    from_floats<T, V>(v + V, b);
+    store_vec<T, V>(o.p0, a);
+    store_vec<T, V>(o.p1, b);
   }
 }
 
@@ -502,10 +478,6 @@ template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class 
 __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;
   float cm[V], sm[V];
-  if (cnt == 1 && pair) {
-    one_row<T, V, INTERLEAVED, BACKWARD>(rows, init, cm, sm, c0, c1);
-    return;
-  }
   init(cm, sm);
   if (!pair) {  // a tail unit of one vector: copied
     stream_rows<T, V, INTERLEAVED, BACKWARD, false, kCopy>(cnt, rows, cm, sm, c0, c1);

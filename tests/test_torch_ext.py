@@ -143,10 +143,13 @@ def test_gpu_public_functions_and_autograd_use_the_cpp_path():
     f = torch.from_numpy(cupy_rope.rope_freqs(128, 512)).cuda()
     x = torch.randn(64, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(64, 2, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    crt.apply_rope_qk(x, k, f)[0].sum().backward()
+    def step():
+        q_out, k_out = crt.apply_rope_qk(x, k, f)
+        (q_out.float().square().sum() + k_out.float().square().sum()).backward()
+
+    step()  # the first forward and backward signatures: the Python path
     before = _hits()
-    q_out, k_out = crt.apply_rope_qk(x, k, f)
-    (q_out.float().square().sum() + k_out.float().sum()).backward()
+    step()
     assert _hits() == before + 2  # forward and backward
     with torch.no_grad():
         want = cupy_rope.apply_rope(x, f)
