@@ -8,6 +8,9 @@ the model's dtype gathered at the positions, as model code writes it) and with c
 ``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
 on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
 
+Constant tables (the formula's cos/sin, cupy_rope's angle table, the decode positions) are marked
+static for CUDA-graph trees in both variants, as torch marks a model's registered buffers.
+
 Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` (each layer
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
 ``infer`` (forward, no grad) and ``train`` (forward + backward of a scalar loss, gradients of the
