@@ -31,8 +31,9 @@ from . import _api, _freqs, _plan, _torch_ext
 # The single-tensor and q+k ops are defined on the dispatcher directly (``torch.library.Library``):
 # CUDA and CPU kernels that call the library, a fake kernel for meta/fake tensors and
 # torch.compile, and an Autograd kernel of our own. A call that needs no gradient costs one
-# dispatcher trip plus the launch; the eager public functions skip the dispatcher for plain
-# CUDA tensors. Under torch.compile the op is one node of the graph (fake kernel, no break).
+# dispatcher trip plus the launch; the CUDA kernels are C++ where that builds (_torch_ext),
+# otherwise Python, which the eager public functions then call without the dispatcher for
+# plain CUDA tensors. Under torch.compile the op is one node of the graph (fake kernel, no break).
 _LIB = torch.library.Library("cupy_rope", "FRAGMENT")
 _POS_SCHEMA = "str layout, bool interleaved, Tensor? cu_seqlens, Tensor? start_positions, int cp_size, int cp_rank"
 _LIB.define(f"rope(Tensor x, Tensor freqs, {_POS_SCHEMA}, bool backward, bool transpose_output_memory) -> Tensor")

@@ -155,18 +155,18 @@ std::vector<const at::Tensor*> launch_arrays(Family f, c10::ArrayRef<c10::IValue
   }
 }
 
-void run_python(const c10::OperatorHandle& op, Family f, const Key* key, torch::jit::Stack* stack) {
-  static const c10::OperatorHandle* handles[5] = {};
-  if (handles[f] == nullptr) {
-    static std::mutex hmu;
-    std::lock_guard<std::mutex> g(hmu);
-    if (handles[f] == nullptr)
-      handles[f] = new c10::OperatorHandle(c10::Dispatcher::singleton().findSchemaOrThrow(py_op_of(f), ""));
-  }
+// The Python op of family f (looked up once; C++ initialises function-local statics thread-safely).
+const c10::OperatorHandle& py_op(Family f) {
+  auto find = [](Family g) { return c10::Dispatcher::singleton().findSchemaOrThrow(py_op_of(g), ""); };
+  static const c10::OperatorHandle ops[5] = {find(ROPE), find(QK), find(QK_INPLACE), find(POS), find(POS_INPLACE)};
+  return ops[f];
+}
+
+void run_python(Family f, const Key* key, torch::jit::Stack* stack) {
   const Key* prev = pending;
   pending = key;
   try {
-    handles[f]->callBoxed(stack);
+    py_op(f).callBoxed(stack);
   } catch (...) {
     pending = prev;
     throw;
@@ -248,7 +248,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     return;
   }
   ++misses;
-  run_python(op, f, keyed ? &key : nullptr, stack);
+  run_python(f, keyed ? &key : nullptr, stack);
 }
 
 // Called by the Python path (while it resolves a miss of this thread) with its prepared launch.
