@@ -1,6 +1,10 @@
 """Where the host time of a call goes (a development probe, not a benchmark of record).
 
-    python benchmarks/overhead_probe.py [micro,dispatch,cpp,cprofile,model]
+    python benchmarks/overhead_probe.py [micro,dispatch,cprofile,model]
+
+micro: the pieces of an eager call at the decode shape; dispatch: a dispatcher trip into a Python
+kernel by schema; cprofile: the eager hot paths; model: torch.profiler tables of the model
+benchmark's compiled steps (PROBE_MODES, PROBE_KINDS), with the CUDA-graph-tree log.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ f = cupy_rope.rope_freqs(d, 4096, like=torch.empty(0, device="cuda"))
 sp = torch.randint(0, 4000, (b,), device="cuda", dtype=torch.int32)
 x = torch.randn(s, b, h, d, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(s, b, 8, d, device="cuda", dtype=torch.bfloat16)
-what = sys.argv[1].split(",") if len(sys.argv) > 1 else ["micro", "dispatch", "cpp", "cprofile", "model"]
+what = sys.argv[1].split(",") if len(sys.argv) > 1 else ["micro", "dispatch", "cprofile", "model"]
 
 
 def row(name, v):
@@ -97,48 +101,6 @@ if "dispatch" in what:
     row("python op via torch.ops.probe.simple (no .default)", us(lambda: torch.ops.probe.simple(x)))
     row("python op full, under no_grad", us(lambda: torch.no_grad()(lambda: full(x, f, "sbhd", False, None, sp, 1, 0, False, False))()))
     row("aten::alias (C++ op noop)", us(lambda: torch.ops.aten.alias.default(x)))
-
-if "cpp" in what:
-    print("== cpp extension")
-    import shutil
-    import torch.utils.cpp_extension as ce
-    print("ninja", shutil.which("ninja"), "g++", shutil.which("g++"), "CUDA_HOME", ce.CUDA_HOME)
-    import glob
-    print("nvidia include dirs", glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "include"))[:8])
-    print("cuda_runtime_api.h", glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**", "cuda_runtime_api.h"), recursive=True)[:3])
-    src = r"""
-#include <torch/library.h>
-#include <ATen/ATen.h>
-at::Tensor cpp_noop(const at::Tensor& x) { return x; }
-at::Tensor cpp_empty(const at::Tensor& x) { return at::empty_like(x, at::MemoryFormat::Contiguous); }
-TORCH_LIBRARY(probecpp, m) { m.def("noop(Tensor x) -> Tensor"); m.def("empty(Tensor x) -> Tensor"); }
-TORCH_LIBRARY_IMPL(probecpp, CUDA, m) { m.impl("noop", cpp_noop); m.impl("empty", cpp_empty); }
-"""
-    t = time.time()
-    try:
-        ce.load_inline("probecpp", cpp_sources=[src], is_python_module=False, verbose=False,
-                       build_directory=None, extra_cflags=["-O2"])
-        print(f"load_inline compiled in {time.time() - t:.1f} s")
-        row("C++ op noop", us(lambda: torch.ops.probecpp.noop.default(x)))
-        row("C++ op empty_like", us(lambda: torch.ops.probecpp.empty.default(x)))
-    except Exception as e:
-        print("load_inline failed", type(e).__name__, str(e)[-2000:])
-    src2 = r"""
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
-int64_t cs(const at::Tensor& x) { return (int64_t)c10::cuda::getCurrentCUDAStream(x.get_device()).stream(); }
-TORCH_LIBRARY(probecuda, m) { m.def("cs(Tensor x) -> int"); }
-TORCH_LIBRARY_IMPL(probecuda, CUDA, m) { m.impl("cs", cs); }
-"""
-    t = time.time()
-    try:
-        ce.load_inline("probecuda", cpp_sources=[src2], is_python_module=False, verbose=False, with_cuda=True,
-                       extra_cflags=["-O2"])
-        print(f"load_inline with c10/cuda compiled in {time.time() - t:.1f} s")
-        row("C++ op current stream", us(lambda: torch.ops.probecuda.cs.default(x)))
-    except Exception as e:
-        print("load_inline (cuda headers) failed", type(e).__name__, str(e)[-1500:])
 
 if "cprofile" in what:
     print("== cprofile")
