@@ -52,7 +52,8 @@ def missing_tools() -> str:
 
 
 def build(verbose: bool = False) -> str:
-    """Compile (or find in torch's extension cache) and load the library; returns its path.
+    """Compile (or find in torch's extension cache) and load the library; returns its path
+    (``torch.utils.cpp_extension.load``).
     Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before the torch
     shim registers its Python ones (the shim does)."""
     from torch.utils import cpp_extension
@@ -61,12 +62,15 @@ def build(verbose: bool = False) -> str:
     if why:
         raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {why}")
     name = "cupy_rope_torch_launch"
-    build_dir = cpp_extension._get_build_directory(name, verbose)
-    if not any(Path(build_dir).glob(f"{name}*.so")):
-        print("cupy_rope.torch: building the C++ launch path (once per version, about a minute; "
+    try:  # torch's cache directory of this extension (a private helper: only for the message)
+        built = any(Path(cpp_extension._get_build_directory(name, verbose)).glob(f"{name}*.so"))
+    except Exception:
+        built = False
+    if not built:
+        print("cupy_rope.torch: building the C++ launch path (once per version, 10-60 s; "
               "CUPY_ROPE_TORCH_EXT=0 skips it)", file=sys.stderr, flush=True)
-    cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], is_python_module=False, verbose=verbose)
-    return build_dir
+    return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], is_python_module=False,
+                              verbose=verbose)
 
 
 def load() -> bool:

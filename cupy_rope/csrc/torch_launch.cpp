@@ -47,8 +47,7 @@ LaunchFn launch_fn() {
   return fn;
 }
 
-// The op families; ``n_arrays`` is the number of addresses the Python path's launch takes from
-// the arguments (in its order), ``inplace`` whether the outputs are the first two of them.
+// The op families (ops of one family share a schema, a Python op and an address order).
 enum Family { ROPE, QK, QK_INPLACE, POS, POS_INPLACE };
 
 struct Out {
