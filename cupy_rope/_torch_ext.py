@@ -15,6 +15,7 @@ the build tools are present; otherwise, or if the build fails, a warning and the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import threading
@@ -61,7 +62,8 @@ def build(verbose: bool = False) -> str:
     why = missing_tools()
     if why:
         raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {why}")
-    name = "cupy_rope_torch_launch"
+    # one build per torch version (torch's own cache is keyed by the source and flags only)
+    name = "cupy_rope_torch_launch_" + re.sub(r"\W", "_", torch.__version__)
     try:  # torch's cache directory of this extension (a private helper: only for the message)
         built = any(Path(cpp_extension._get_build_directory(name, verbose)).glob(f"{name}*.so"))
     except Exception:
