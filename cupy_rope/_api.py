@@ -155,7 +155,8 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
     if kind is not None and not _DEBUG[0] and (out is None or out is x):
         arrays = (x, freqs, cu_seqlens, start_positions)
         key, ptrs = _launch.cache_key(kind, ("rope", backward, out is None),
-                               (layout, interleaved, cp_size, cp_rank, transpose_output_memory), arrays)
+                                      (layout, interleaved, cp_size, cp_rank, transpose_output_memory), arrays,
+                                      written=0 if out is None else 1)
         if key is not None:
             if out is not None:
                 ptrs.append(ptrs[0])
@@ -205,7 +206,8 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
     if kind is not None and not _DEBUG[0]:
         arrays = (q, k, freqs, cu_seqlens, start_positions)
-        key, ptrs = _launch.cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace), arrays)
+        key, ptrs = _launch.cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),
+                                      arrays, written=2 if inplace is True else 0)
         if key is not None:
             if inplace is True:
                 ptrs += ptrs[:2]
@@ -261,7 +263,8 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
     if kind is not None and not _DEBUG[0]:
         arrays = (q, k, *tables.values(), positions)
         key, ptrs = _launch.cache_key(kind, ("pos", k is None),
-                                      (head_size, interleaved, rope_dim_offset, inverse, inplace), arrays)
+                                      (head_size, interleaved, rope_dim_offset, inverse, inplace), arrays,
+                                      written=2 if inplace is True else 0)
         if key is not None:
             ptrs[2:5] = [sum(ptrs[2:5])]  # the one table given (the others' addresses are 0): "freqs"
             if inplace is True:

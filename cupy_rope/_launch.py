@@ -191,14 +191,53 @@ def _descs_cupy(arrays, descs, ptrs) -> bool:
 _DESCS = {"torch": _descs_torch, "cupy": _descs_cupy}
 
 
-def cache_key(kind, head: tuple, opts: tuple, arrays):
+def _extent(kind, a):
+    """Byte range [lo, hi) that ``a``'s elements span; None when it has none."""
+    if kind == "torch":
+        isz = a.element_size()
+        strides = [s * isz for s in a.stride()]
+    else:
+        isz, strides = a.itemsize, a.strides
+    lo = hi = 0
+    for n, s in zip(a.shape, strides):
+        if n == 0:
+            return None
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    p = a.data_ptr() if kind == "torch" else a.data.ptr
+    return p + lo, p + hi + isz
+
+
+def _overlaps(r0, r1) -> bool:
+    return r0 is not None and r1 is not None and r0[0] < r1[1] and r1[0] < r0[1]
+
+
+def overlap_signature(kind, arrays, written: int) -> tuple:
+    """What an in-place call's validation depends on beyond the descriptors: whether a written
+    array (the first ``written`` of ``arrays``) spans bytes of a read-only one (the call is
+    rejected then), and, when the spans of the first two written arrays meet, their relative
+    address (whether they share an element depends on it; disjoint spans never do)."""
+    ext = [None if a is None else _extent(kind, a) for a in arrays]
+    ro = any(_overlaps(w, r) for w in ext[:written] for r in ext[written:])
+    rel = None
+    if written == 2 and _overlaps(ext[0], ext[1]):
+        rel = ext[1][0] - ext[0][0]
+    return ro, rel
+
+
+def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
     kind, an unhashable option). Options are keyed with their types: only calls whose exact
-    options a first call validated can hit."""
+    options a first call validated can hit. ``written``: a call that writes its first
+    ``written`` arrays in place also keys their :func:`overlap_signature`."""
     descs, ptrs = [], []
     if not _DESCS[kind](arrays, descs, ptrs):
         return None, None
     key = (head, opts, tuple(map(type, opts)), tuple(descs))
+    if written:
+        key += overlap_signature(kind, arrays, written)
     try:
         hash(key)
     except TypeError:

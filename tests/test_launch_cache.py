@@ -56,6 +56,36 @@ def test_key_carries_descriptors_and_typed_options(cpu_cache):
     assert all(o != k1 for o in others) and len(set(others)) == len(others)
 
 
+def test_in_place_keys_carry_what_the_overlap_checks_depend_on(cpu_cache):
+    """An in-place call's validation depends on overlaps (q and k must share no element, no
+    written array may span a read-only one): a hit must have the validated call's overlaps, and
+    a new step's fresh buffers in the same layout must still hit."""
+    opts = ("bshd", False, 1, 0, True)
+    f = torch.randn(16, 8)
+
+    def key(q, k, table=f):
+        return cpu_cache.cache_key("torch", ("qk", False), opts, (q, k, table, None, None), written=2)[0]
+
+    def fused():  # q and k interleaved in a fused projection [b, s, 3, h, d]: spans meet, no element shared
+        qkv = torch.randn(2, 3, 3, 1, 8)
+        return qkv[:, :, 0], qkv[:, :, 1]
+
+    step1, step2 = key(*fused()), key(*fused())
+    assert step1 == step2  # fresh buffers each step, the same layout: one key
+    assert cpu_cache.overlap_signature("torch", fused() + (f,), 2) == (False, 8 * 4)
+    sep = [key(torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)) for _ in range(2)]
+    assert sep[0] == sep[1] and sep[0] != step1  # separate allocations: disjoint, relative address not keyed
+    buf = torch.randn(256)
+    q = buf[:48].view(2, 3, 1, 8)
+    assert key(q, buf[64:112].view(2, 3, 1, 8)) == sep[0]
+    shifted = key(q, buf[16:64].view(2, 3, 1, 8))  # k overlaps q (same alignment, other relation)
+    assert shifted not in (sep[0], step1)
+    assert cpu_cache.overlap_signature("torch", (q, buf[16:64].view(2, 3, 1, 8), f), 2) == (False, 16 * 4)
+    assert cpu_cache.overlap_signature("torch", (q, None, buf[48:176].view(16, 8)), 2)[0] is False  # right after q
+    assert cpu_cache.overlap_signature("torch", (q, None, buf[40:168].view(16, 8)), 2)[0] is True  # q's last 8
+    assert cpu_cache.overlap_signature("torch", (q, None, None, torch.zeros(0)), 2) == (False, None)
+
+
 def test_hit_allocates_and_patches_in_name_order(cpu_cache):
     q, k = torch.randn(4, 2, 3, 8), torch.randn(4, 2, 1, 8)
     f = torch.randn(16, 8)

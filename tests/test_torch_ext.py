@@ -201,3 +201,30 @@ def test_gpu_cuda_graph_replays_the_cpp_launch():
         want = cupy_rope.apply_rope_qk(q, k, f, start_positions=sp)
         torch.cuda.synchronize()
         assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
+
+
+@pytest.mark.gpu
+def test_gpu_cached_in_place_calls_still_reject_overlaps():
+    """A cached in-place signature must not serve a call whose arrays overlap differently (the
+    C++ path and the Python path's launch cache)."""
+    import cupy_rope.torch as crt
+
+    tab = torch.from_numpy(cupy_rope.rope_freqs(64, 64)).cuda()  # [64, 1, 1, 64] float32
+    buf = torch.randn(8192, device="cuda")
+    q = buf[:1024].view(4, 4, 1, 64)
+    k_ok, k_bad = buf[2048:3072].view(4, 4, 1, 64), buf[512:1536].view(4, 4, 1, 64)  # k_bad overlaps q
+    shared = torch.empty(64 * 64 + 1024, device="cuda")
+    shared[:4096] = tab.reshape(-1)
+    f_shared = shared[:4096].view(64, 1, 1, 64)
+    q_on_table = shared[3072:4096].view(4, 4, 1, 64)  # q inside the table's last rows
+    for fn in (lambda a, b, f: crt.apply_rope_qk(a, b, f, inplace=True),
+               lambda a, b, f: cupy_rope.apply_rope_qk(a, b, f, inplace=True)):
+        for _ in range(2):  # cached
+            fn(q, k_ok, tab)
+            fn(shared[4096:5120].view(4, 4, 1, 64), k_ok, f_shared)
+        q_before = q.clone()
+        with pytest.raises(ValueError, match="overlapping tensors"):
+            fn(q, k_bad, tab)
+        with pytest.raises(ValueError, match="overlap"):
+            fn(q_on_table, k_ok, f_shared)
+        assert torch.equal(q, q_before)  # nothing written on error

@@ -173,11 +173,42 @@ void run_python(Family f, const Key* key, torch::jit::Stack* stack) {
   pending = prev;
 }
 
+// Byte range [lo, hi) of t's elements (lo == hi: none).
+std::pair<intptr_t, intptr_t> extent(const at::Tensor* t) {
+  if (t == nullptr || t->numel() == 0) return {0, 0};
+  const intptr_t isz = static_cast<intptr_t>(t->element_size());
+  intptr_t lo = 0, hi = 0;
+  for (int64_t i = 0; i < t->dim(); ++i) {
+    const intptr_t span = (t->size(i) - 1) * t->stride(i) * isz;
+    (span > 0 ? hi : lo) += span;
+  }
+  const intptr_t p = reinterpret_cast<intptr_t>(t->data_ptr());
+  return {p + lo, p + hi + isz};
+}
+
+bool overlap(const std::pair<intptr_t, intptr_t>& a, const std::pair<intptr_t, intptr_t>& b) {
+  return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
+}
+
+// What an in-place call's validation depends on beyond the descriptors (_launch.overlap_signature):
+// whether a written array (the first `written`) spans bytes of a read-only one, and, when the
+// spans of the two written arrays meet, their relative address.
+void push_overlaps(Key& key, const std::vector<const at::Tensor*>& arrays, size_t written) {
+  std::vector<std::pair<intptr_t, intptr_t>> ext;
+  for (const at::Tensor* a : arrays) ext.push_back(extent(a));
+  bool ro = false;
+  for (size_t w = 0; w < written; ++w)
+    for (size_t r = written; r < ext.size(); ++r) ro = ro || overlap(ext[w], ext[r]);
+  key.push_back(ro);
+  const bool meet = overlap(ext[0], ext[1]);
+  key.push_back(meet);
+  key.push_back(meet ? ext[1].first - ext[0].first : 0);
+}
+
 // A hit: allocate, patch, launch, leave the returns on the stack. False (nothing done) when an
 // output's address alignment differs from the prepared launch's.
-bool run_cached(const Entry& e, Family f, torch::jit::Stack* stack, size_t nargs) {
-  auto args = torch::jit::last(*stack, nargs);
-  auto arrays = launch_arrays(f, args);
+bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& arrays, torch::jit::Stack* stack,
+                size_t nargs) {
   const at::Tensor& lead = *arrays[0];
   std::vector<at::Tensor> outs;
   outs.reserve(e.outs.size());
@@ -233,7 +264,10 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   size_t nargs = schema.arguments().size();
   Key key;
   key.reserve(64);
-  bool keyed = make_key(op, torch::jit::last(*stack, nargs), key);
+  const auto args = torch::jit::last(*stack, nargs);
+  const auto arrays = launch_arrays(f, args);
+  bool keyed = make_key(op, args, key);
+  if (keyed && (f == QK_INPLACE || f == POS_INPLACE)) push_overlaps(key, arrays, 2);
   std::shared_ptr<const Entry> e;
   if (keyed) {
     std::lock_guard<std::mutex> g(mu);
@@ -242,7 +276,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
       if (it != cache.end()) e = it->second;
     }
   }
-  if (e && run_cached(*e, f, stack, nargs)) {
+  if (e && run_cached(*e, f, arrays, stack, nargs)) {
     ++hits;
     return;
   }
