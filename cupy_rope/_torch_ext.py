@@ -3,7 +3,7 @@
 Built once per source version with torch's JIT extension builder (a C++ compiler and ninja;
 no CUDA toolkit, no CUDA headers) and cached by torch (``TORCH_EXTENSIONS_DIR``). Once loaded,
 the cupy_rope ops' CUDA kernels are C++: a call whose signature (shapes, strides, dtypes,
-devices, options, address alignment) was seen before launches from C++; any other call runs the
+devices, options, address alignment; in place, the overlaps) was seen before launches from C++; any other call runs the
 Python path (op ``cupy_rope::_py_<op>``), which validates, plans, launches and hands its
 prepared launch to the C++ cache (:func:`mirror`).
 
