@@ -1,7 +1,8 @@
 """The torch shim's C++ launch path (``csrc/torch_launch.cpp``): build, load, feed.
 
-Built once per source version with torch's JIT extension builder (a C++ compiler and ninja;
-no CUDA toolkit, no CUDA headers) and cached by torch (``TORCH_EXTENSIONS_DIR``). Once loaded,
+Built once per source, torch version and compiler with the host C++ compiler, torch's headers
+and libraries (no CUDA toolkit, no CUDA headers, no build tool) and cached
+(:mod:`cupy_rope._cxx`: ``CUPY_ROPE_HOST_CACHE``, default ``~/.cache/cupy_rope``). Once loaded,
 the cupy_rope ops' CUDA kernels are C++: a call whose signature (shapes, strides, dtypes,
 devices, options, address alignment; in place, the overlaps) was seen before launches from C++; any other call runs the
 Python path (op ``cupy_rope::_py_<op>``), which validates, plans, launches and hands its
@@ -16,15 +17,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import sys
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import _launch
+from . import _cxx, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "torch_launch.cpp"
 _state = threading.local()  # .on: this thread resolves a miss of the C++ path
@@ -39,40 +38,30 @@ def mode() -> str:
 
 
 def missing_tools() -> str:
-    """Why the extension cannot be built here ('' when it can)."""
+    """Why the library cannot be built here ('' when it can)."""
+    return "" if _cxx.compiler() else "no C++ compiler on PATH (g++ or c++; or set CXX)"
+
+
+def build() -> str:
+    """Compile (or find in the cache, :mod:`cupy_rope._cxx`) and load the library; returns its
+    path. One build per source, torch version and compiler, with torch's headers, against its
+    libraries. Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before
+    the torch shim registers its Python ones (the shim does)."""
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None and shutil.which("g++") is None:
-        return f"no C++ compiler ({cxx!r} or 'g++') on PATH"
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        return "ninja is not installed (pip install ninja)"
-    return ""
-
-
-def build(verbose: bool = False) -> str:
-    """Compile (or find in torch's extension cache) and load the library; returns its path
-    (``torch.utils.cpp_extension.load``).
-    Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before the torch
-    shim registers its Python ones (the shim does)."""
-    from torch.utils import cpp_extension
-
-    why = missing_tools()
-    if why:
-        raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {why}")
-    # one build per torch version (torch's own cache is keyed by the source and flags only)
-    name = "cupy_rope_torch_launch_" + re.sub(r"\W", "_", torch.__version__)
-    try:  # torch's cache directory of this extension (a private helper: only for the message)
-        built = any(Path(cpp_extension._get_build_directory(name, verbose)).glob(f"{name}*.so"))
-    except Exception:
-        built = False
-    if not built:
-        print("cupy_rope.torch: building the C++ launch path (once per version, 10-60 s; "
-              "CUPY_ROPE_TORCH_EXT=0 skips it)", file=sys.stderr, flush=True)
-    return cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], is_python_module=False,
-                              verbose=verbose)
+    if missing_tools():
+        raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {missing_tools()}")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    common = ["-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+              *[f"-isystem{p}" for p in cpp_extension.include_paths()]]
+    ldflags = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
+    # recent torch headers need C++20, older ones accept C++17
+    path = _cxx.shared_library("torch_launch_" + re.sub(r"\W", "_", torch.__version__), SOURCE.read_text(),
+                               [["-std=c++20", *common], ["-std=c++17", *common]], ldflags=ldflags,
+                               announce="cupy_rope.torch: building the C++ launch path (once per version, "
+                                        "10-60 s; CUPY_ROPE_TORCH_EXT=0 skips it)")
+    torch.ops.load_library(str(path))
+    return str(path)
 
 
 def load() -> bool:

@@ -245,23 +245,26 @@ def test_host_build_key_covers_the_shim_and_flags(tmp_path):
     import os
     import shutil
 
-    from cupy_rope import _kernels
+    from cupy_rope import _cxx, _kernels
+
+    def key(parts, include_dirs, shim):
+        return _cxx.build_key(parts, _hostkernels._header_files(include_dirs, [shim]))
 
     inc = _hostkernels.cuda_include_dirs()
     shim = _kernels.source_dir() / "host_shim.h"
-    k1 = _hostkernels._build_key(("src", "-O1"), inc, [shim])
-    assert _hostkernels._build_key(("src", "-O2"), inc, [shim]) != k1
+    k1 = key(("src", "-O1"), inc, shim)
+    assert key(("src", "-O2"), inc, shim) != k1
     d = tmp_path / "kernels_cu"
     shutil.copytree(_kernels.source_dir(), d)
     (d / "host_shim.h").write_text((d / "host_shim.h").read_text().replace("std::sin(a)", "0.0f"))
-    assert _hostkernels._build_key(("src", "-O1"), inc, [d / "host_shim.h"]) != k1
+    assert key(("src", "-O1"), inc, d / "host_shim.h") != k1
     hdr = tmp_path / "inc"
     (hdr / "crt").mkdir(parents=True)
     for name in ("cuda_fp16.h", "cuda_bf16.h", "crt/host_defines.h", "cuda_fp16.hpp", "cuda_bf16.hpp"):
         shutil.copy(os.path.join(inc[0], name), hdr / name)
-    assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) == k1  # same headers, same key
+    assert key(("src", "-O1"), [str(hdr)], shim) == k1  # same headers, same key
     (hdr / "cuda_bf16.h").write_text("// another toolkit\n")
-    assert _hostkernels._build_key(("src", "-O1"), [str(hdr)], [shim]) != k1
+    assert key(("src", "-O1"), [str(hdr)], shim) != k1
 
 
 def test_out_overlapping_a_reversed_input_is_refused():

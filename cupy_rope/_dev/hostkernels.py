@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from .. import _kernels
+from .. import _cxx, _kernels
 from .._interop import info
 
 
@@ -52,30 +48,10 @@ def cuda_include_dirs() -> list[str]:
                        "(cuda-toolkit[nvrtc,cudart,crt,cccl]) or set CUDA_PATH to a CUDA toolkit")
 
 
-def cache_dir() -> Path:
-    """Where built artefacts are kept: ``CUPY_ROPE_HOST_CACHE``, else the user's cache directory."""
-    env = os.environ.get("CUPY_ROPE_HOST_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cupy_rope"
-    base.mkdir(parents=True, exist_ok=True)
-    return base
-
-
-def _build_key(parts, include_dirs, extra_files=()) -> str:
-    """Hash of everything a build depends on: ``parts`` (source, compiler, flags), the CUDA headers
-    it includes from ``include_dirs`` and ``extra_files`` (e.g. host_shim.h), so that an edited
-    shim or another toolkit rebuilds."""
-    h = hashlib.sha1()
-    for p in parts:
-        h.update(str(p).encode() + b"\0")
-    files = [Path(d) / n for d in include_dirs for n in HEADERS[:3] + ("cuda_fp16.hpp", "cuda_bf16.hpp")]
-    for f in [*files, *map(Path, extra_files)]:
-        if f.is_file():
-            h.update(str(f.name).encode() + f.read_bytes())
-    return h.hexdigest()[:20]
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX") or shutil.which("g++") or "c++"
+def _header_files(include_dirs, extra=()) -> list:
+    """The CUDA headers a build includes from ``include_dirs`` (and ``extra`` files): their
+    contents are part of the build key, so that another toolkit or an edited shim rebuilds."""
+    return [Path(d) / n for d in include_dirs for n in HEADERS[:3] + ("cuda_fp16.hpp", "cuda_bf16.hpp")] + list(extra)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,23 +59,14 @@ def library() -> ctypes.CDLL:
     """Build (once per version of every input) and load the host library with every kernel."""
     names = _kernels.all_kernels()
     src = ('#include "host_shim.h"\n' + _kernels.source_for(names))
-    cxx = _compiler()
     inc = cuda_include_dirs()
     flags = ["-std=c++17", "-O1", "-shared", "-fPIC", "-Wno-attributes", *_kernels.defines(),
              f"-I{_kernels.source_dir()}", *[f"-I{d}" for d in inc]]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = _build_key((src, cxx, version, *flags), inc, [_kernels.source_dir() / "host_shim.h"])
-    so = cache_dir() / f"rope_host_{key}.so"
-    if not so.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            cpp = Path(tmp) / "rope_host.cpp"
-            cpp.write_text(src)
-            out = Path(tmp) / so.name
-            cmd = [cxx, *flags, str(cpp), "-o", str(out)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"host build failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
-            shutil.move(str(out), so)
+    try:
+        so = _cxx.shared_library("rope_host", src, [flags],
+                                 files=_header_files(inc, [_kernels.source_dir() / "host_shim.h"]))
+    except RuntimeError as e:
+        raise RuntimeError(f"host build failed: {e}") from None
     lib = ctypes.CDLL(str(so))
     for n in names:
         getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
@@ -117,7 +84,7 @@ def nvrtc_cubin(arch: str = "sm_90") -> bytes:
     inc = pf.find_nvidia_header_directory("cudart")
     opts = [f"-arch={arch}", "--std=c++17", f"-I{inc}", "-default-device", *_kernels.defines()]
     version = ".".join(map(str, nvrtc.getVersion()))
-    path = cache_dir() / f"rope_nvrtc_{_build_key((src, version, *opts), [inc])}.cubin"
+    path = _cxx.cache_dir() / f"rope_nvrtc_{_cxx.build_key((src, version, *opts), _header_files([inc]))}.cubin"
     if path.exists():
         return path.read_bytes()
     prog = nvrtc.createProgram(src, "cupy_rope.cu", [], [])
