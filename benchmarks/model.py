@@ -8,8 +8,9 @@ the model's dtype gathered at the positions, as model code writes it) and with c
 ``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
 on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
 
-Constant tables (the formula's cos/sin, cupy_rope's angle table, the decode positions) are marked
-static for CUDA-graph trees in both variants, as torch marks a model's registered buffers.
+Constant tables (the formula's cos/sin, cupy_rope's angle table from ``rope_freqs``, the decode
+positions) are marked static for CUDA-graph trees in both variants, as torch marks a model's
+registered buffers.
 
 Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` (each layer
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
@@ -94,7 +95,7 @@ def _torch_model(cfg, variant, seed=0):
     ang = freqs.reshape(MAX_POS, d)[positions]  # [b, s, d]
     cos, sin = ang.cos().to(dt)[:, :, None, :], ang.sin().to(dt)[:, :, None, :]
     for t in (cos, sin) + ((sp,) if sp is not None else ()):  # constant buffers of the model (as
-        torch._dynamo.mark_static_address(t)  # torch marks a module's buffers; freqs: rope_freqs does)
+        torch._dynamo.mark_static_address(t)  # torch marks a module's buffers; freqs: rope_freqs does
 
     def rotate_half(t):
         return torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1)

@@ -67,7 +67,7 @@ def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleave
         emb = xp.concatenate([f, f], -1)
     emb = emb.reshape(max_seq_len, 1, 1, emb.shape[-1])
     if kind == "torch":
-        return emb.contiguous()
+        return _interop.static_table(emb.contiguous())
     return to_like(np.ascontiguousarray(emb), like)
 
 

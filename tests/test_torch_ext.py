@@ -228,3 +228,13 @@ def test_gpu_cached_in_place_calls_still_reject_overlaps():
         with pytest.raises(ValueError, match="overlap"):
             fn(q_on_table, k_ok, f_shared)
         assert torch.equal(q, q_before)  # nothing written on error
+
+
+@pytest.mark.gpu
+def test_gpu_tables_built_for_torch_are_static_for_cuda_graph_trees():
+    """rope_freqs / rope_cos_sin_cache with a CUDA ``like`` mark their result as a static input
+    (read in place by torch.compile(mode="reduce-overhead"), never copied per replay)."""
+    like = torch.empty(0, device="cuda")
+    for t in (cupy_rope.rope_freqs(64, 16, like=like), cupy_rope.rope_cos_sin_cache(64, 16, like=like)):
+        assert t.is_cuda and getattr(t, "_dynamo_static_input_type", None) == "unguarded"
+    assert getattr(cupy_rope.rope_freqs(64, 16, like=torch.empty(0)), "_dynamo_static_input_type", None) is None
