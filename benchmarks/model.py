@@ -238,7 +238,7 @@ def model_rows(configs, modes, kinds, rounds):
         try:
             for variant in ("formula", "cupy_rope"):
                 step, sync = _jax_step(cfg, variant, kind) if fw == "jax" else _torch_step(cfg, variant, mode, kind)
-                before = _launch_counts()
+                before = _launch_counts()  # the row keeps the cupy_rope variant's (the last) counts
                 times[variant] = _median_step_ms(step, sync, rounds=rounds)
             after = _launch_counts()
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
