@@ -9,8 +9,9 @@ the model's dtype gathered at the positions, as model code writes it) and with c
 on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
 
 Constant tables (the formula's cos/sin, cupy_rope's angle table from ``rope_freqs``, the decode
-positions) are marked static for CUDA-graph trees in both variants, as torch marks a model's
-registered buffers.
+positions) and the weights are marked static for CUDA-graph trees in both variants, as torch marks
+a model's registered buffers and parameters (unmarked, each replay copied every weight into the
+graph first: about half of a reduce-overhead decode step's device time, in both variants).
 
 Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` (each layer
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
@@ -117,6 +118,9 @@ def _torch_model(cfg, variant, seed=0):
 
     weights = [(torch.randn(D, 3 * D, generator=g, device=dev, dtype=dt) * D ** -0.5,
                 torch.randn(D, D, generator=g, device=dev, dtype=dt) * D ** -0.5) for _ in range(cfg["layers"])]
+    for pair in weights:  # a module's parameters, which torch treats as static: CUDA-graph trees would
+        for w in pair:  # otherwise copy every weight into the graph on each replay (both variants alike)
+            torch._dynamo.mark_static_address(w)
     x = torch.randn(b, s, D, generator=g, device=dev, dtype=dt)
     return layer, weights, x
 

@@ -4,10 +4,11 @@
 
 micro: the pieces of an eager call at the decode shape; dispatch: a dispatcher trip into a Python
 kernel by schema; cprofile: the eager hot paths; model: torch.profiler tables of the model
-benchmark's compiled steps (PROBE_MODES, PROBE_KINDS), with the CUDA-graph-tree log.
+benchmark's compiled steps (PROBE_MODES, PROBE_KINDS, PROBE_CONFIGS), with the CUDA-graph-tree log.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -123,23 +124,24 @@ if "model" in what:
     from torch.profiler import ProfilerActivity, profile
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import model as M
-    for mode in os.environ.get("PROBE_MODES", "compile,reduce-overhead").split(","):
-        for kind in os.environ.get("PROBE_KINDS", "infer,train").split(","):
-            for variant in ("formula", "cupy_rope"):
-                step, sync = M._torch_step(M.CONFIGS["prefill"], variant, mode, kind)
+    for cfg, mode, kind in itertools.product(os.environ.get("PROBE_CONFIGS", "prefill").split(","),
+                                             os.environ.get("PROBE_MODES", "compile,reduce-overhead").split(","),
+                                             os.environ.get("PROBE_KINDS", "infer,train").split(",")):
+        for variant in ("formula", "cupy_rope"):
+            step, sync = M._torch_step(M.CONFIGS[cfg], variant, mode, kind)
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / 20 * 1e3
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     step()
                 torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(20):
-                    step()
-                torch.cuda.synchronize()
-                ms = (time.perf_counter() - t) / 20 * 1e3
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        step()
-                    torch.cuda.synchronize()
-                print(f"---- {mode} {kind} {variant}: {ms:.3f} ms/step")
-                ka = prof.key_averages()
-                print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=70))
-                print(ka.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70))
+            print(f"---- {cfg} {mode} {kind} {variant}: {ms:.3f} ms/step")
+            ka = prof.key_averages()
+            print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=70))
+            print(ka.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70))

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 
 # Kernel kinds: the source file that defines them and their entry-point macro.
-KINDS = {"rope": "CUPY_ROPE_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+# rope: the streaming rope kernel; rope1: the same rotation, one row per thread (small launches).
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "rope1": "CUPY_ROPE1_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -27,7 +28,7 @@ BLOCK = 256  # threads per block; must equal CUPY_ROPE_BLOCK's default in rope_c
 def param_blocks(name: str) -> int:
     """Parameter blocks kernel ``name`` takes by value: the rope kernels two (one per grid row,
     ``CUPY_ROPE_ENTRY_PAIR``), the QKV kernels one."""
-    return 2 if name.startswith("rope_") else 1
+    return 2 if name.startswith(("rope_", "rope1_")) else 1
 
 
 def vector_widths(dtype: str) -> tuple[int, ...]:
@@ -50,7 +51,7 @@ def all_kernels() -> list[str]:
     ]
 
 
-_NAME = re.compile(r"^(rope|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
+_NAME = re.compile(r"^(rope|rope1|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 
 def entry_line(name: str) -> str:

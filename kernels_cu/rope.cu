@@ -82,10 +82,61 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
   stream_unit<T, V, INTERLEAVED, BACKWARD>(pair, cnt, rows, init, cb0, cb1);
 }
 
+// One row per thread: the launches whose work split gives every thread a single row (C = n_heads:
+// decode steps and other small calls; the launch layer picks this kernel then). rope_body's
+// arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
+// so that their loads overlap the position and table loads, and there is no streaming loop, so
+// that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
+__device__ __forceinline__ void rope_one_body(const RopeParams& p) {
+  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 tok, rest, c, u, outer, inner;
+  divmod(item, p.n_chunks * p.n_units, tok, rest);
+  if (tok >= p.n_tok) return;
+  divmod(rest, p.n_units, c, u);
+  if (c >= p.n_heads) return;  // a tensor without heads (the other of the launch has some)
+  divmod(tok, p.n_inner, outer, inner);
+  i64 cb0, cb1;
+  bool pair;
+  const bool rot = unit_channels<INTERLEAVED>(u, p.n_rot_units, p.d2, p.tail_w, V, cb0, cb1, pair);
+  const i64 r0 = row_channel(cb0, p.d2, p.rot_off), dr = row_channel(cb1, p.d2, p.rot_off) - r0;
+  const T* x = reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + r0 * p.xsd;
+  T* y = reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + r0 * p.ysd;
+  Vec<T, V> a = load_vec<T, V>(x), b;
+  if (pair) b = load_vec<T, V>(x + dr * p.xsd);
+  i64 pos = 0;
+  const bool valid = rot && token_position(p.pos, outer, inner, pos);
+  if (in_table(valid, pos, p.f_rows)) {
+    float v[2 * V], cm[V], sm[V];
+    to_floats<T, V>(a, v);
+    to_floats<T, V>(b, v + V);
+    int mode = kHeld;
+    const float* trow = nullptr;
+    if (p.f_kind == kAngles) {
+      trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+      mode = held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm);
+    } else {
+      table_sincos<T, INTERLEAVED, V>(p.f_kind, p.freqs, pos, p.f_srow, p.f_scol, p.d2 / 2, cb0, cm, sm);
+    }
+    if (mode == kHeld) {
+      rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
+    } else {
+      rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);
+    }
+    from_floats<T, V>(v, a);
+    from_floats<T, V>(v + V, b);
+  }
+  store_vec<T, V>(y, a);
+  if (pair) store_vec<T, V>(y + dr * p.ysd, b);
+}
+
 }  // namespace cupy_rope
 
-// One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b>, taking
-// two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
-// The launch layer appends the CUPY_ROPE_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
+// One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
+// streaming kernel) or rope1_... (one row per thread), taking two parameter blocks (grid row 0:
+// the first tensor, row 1: the second, e.g. q and k). The launch layer appends the
+// CUPY_ROPE_KERNEL(...) / CUPY_ROPE1_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
+#define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)

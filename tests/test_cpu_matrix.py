@@ -33,11 +33,13 @@ def test_numpy_backend(case, backward):
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
 
 
-@pytest.fixture(params=["one_row", "max_rows"])
+@pytest.fixture(params=["one_row", "one_row_streaming", "max_rows"])
 def kernel(request, monkeypatch):
-    """Both ends of the work split: one row per thread (a large device) and all rows of a token
-    in one thread (a small device)."""
-    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
+    """Both ends of the work split: one row per thread (a large device; the one-row kernel, and
+    the streaming kernel given one row per thread) and all rows of a token in one thread (a small
+    device)."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if request.param == "max_rows" else 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", request.param == "one_row")
     return request.param
 
 
@@ -51,6 +53,24 @@ def test_host_kernels(case, backward, kernel):
     y = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
     ref = rope_ref(x, freqs, backward=backward, **kw)
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
+def test_one_row_kernel_is_bit_identical_to_streaming_kernel(case, backward, monkeypatch):
+    """The one-row kernel is the streaming kernel's arithmetic in another order: same bits."""
+    x, freqs, kw = inputs(case)
+    plan = _plan_for(x, freqs, kw, backward)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
+    got = {}
+    for one_row in (True, False):
+        monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        name = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),
+                           info(kw.get("start_positions")), 4).name
+        assert name.startswith("rope1_" if one_row else "rope_"), name
+        out = np.full(x.shape, np.nan, dtype=x.dtype)
+        got[one_row] = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
+    np.testing.assert_array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
 
 
 @pytest.mark.parametrize("vec_case", ["vector", "scalar"])

@@ -44,10 +44,16 @@ def _aligned(shape, dtype, rng):
     return out
 
 
-def _run(name, tail, fw):
+def _run(name, tail, fw, monkeypatch):
     """One call that the planner maps to kernel ``name``: on the CPU through the host build and the
-    plan (``fw = "host"``), on the GPU through the public API with CuPy arrays (``"cupy"``)."""
+    plan (``fw = "host"``), on the GPU through the public API with CuPy arrays (``"cupy"``). The
+    call is small (one row per thread): the streaming kernel (``rope``) is forced by turning the
+    one-row kernel (``rope1``) off, and the launch cache is emptied so that the call is planned."""
+    from cupy_rope import _launch, _worksplit
+
     kind, dtype, v, il, bw = _parse(name)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", kind == "rope1")
+    monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
     # copied in units of two vectors (2v) or one (v: the one-vector tail unit)
@@ -64,7 +70,7 @@ def _run(name, tail, fw):
         host = lambda a: to_host(a, "cupy")  # noqa: E731
         dkw = dict(kw, start_positions=dev(sp))
     lead = (4, 3)
-    if kind == "rope":
+    if kind in ("rope", "rope1"):
         x = _aligned(lead + (5, d), dtype, rng)
         out = _aligned((5,) + lead + (d,), dtype, rng)
         out[...] = np.nan  # strided output, poisoned
@@ -111,8 +117,8 @@ def _run(name, tail, fw):
 
 @pytest.mark.parametrize("tail", [2, 1], ids=["tail2v", "tail1v"])
 @pytest.mark.parametrize("name", _kernels.all_kernels())
-def test_instantiation_runs_and_is_right(name, tail):
-    _run(name, tail, "host")
+def test_instantiation_runs_and_is_right(name, tail, monkeypatch):
+    _run(name, tail, "host", monkeypatch)
     assert name in LAUNCHED, (name, sorted(LAUNCHED))
 
 
@@ -139,7 +145,7 @@ def test_instantiation_on_gpu(name, tail, monkeypatch):
         return orig(spec, *a, **k)
 
     monkeypatch.setattr(_launch, "launch", launch)
-    _run(name, tail, "cupy")
+    _run(name, tail, "cupy", monkeypatch)
     assert name in LAUNCHED_GPU, (name, sorted(LAUNCHED_GPU))
 
 

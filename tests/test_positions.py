@@ -11,7 +11,7 @@ import pytest
 import cupy_rope
 import cupy_rope.flashinfer as cfi
 import cupy_rope.vllm as crv
-from cupy_rope import _interop, _plan
+from cupy_rope import _interop, _plan, _worksplit
 from cupy_rope._dev import hostkernels
 from reference import NP_DTYPES, assert_close_to_ref
 from cupy_rope.testing import rope_pos_ref
@@ -133,10 +133,14 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
-def test_host_kernels(case):
+def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
-    outputs poisoned with NaN first (every element must be written)."""
+    outputs poisoned with NaN first (every element must be written). Each case on the one-row
+    kernel, on the streaming kernel given one row per thread, and with all rows in one thread."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if kernel == "max_rows" else 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
     pos, q, k, tables, hs, kind, rows = case.arrays()
     tname, table = next(iter(tables.items()))
     infos = {n: None for n in _plan.TABLE_ARGS}

@@ -1,0 +1,140 @@
+"""Decode-shape probe: where the rope kernel's device time goes on a tiny launch.
+
+Times, in CUDA-graph replay (``graph_time``), the library's decode launch (bshd [64, 1, 32, 128]
+bf16, per-sequence start positions: the one-row kernel), the streaming kernel on the same call,
+minimal hand-written kernels doing the same arithmetic (``dec_*``: a floor for this data flow;
+``dec_fast`` uses the inexact ``__sincosf``), and a copy of the same bytes; each with the L2 warm
+(the launch repeated) and cold (a 256 MB write before each launch, as a model's weight-streaming
+GEMM leaves it: the kernel's code and table come from memory). Development tool:
+``python benchmarks/decode_probe.py [--json F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+_MIN_SRC = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ unsigned pk(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return (unsigned)__bfloat16_as_ushort(h.x) | ((unsigned)__bfloat16_as_ushort(h.y) << 16);
+}
+// bshd [B, 1, H, 128] bf16; one thread: 8 pairs (channels u*8.. and 64 + u*8..) of one row.
+template <int XFIRST, int FAST, int LOOP = 0>
+__device__ __forceinline__ void body(const unsigned short* x, unsigned short* y, const float* freqs,
+                                     const int* sp, int B, int H) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int u = i & 7, h = (i >> 3) % H, b = (i >> 3) / H;
+  if (b >= B) return;
+  const long long off = (long long)b * H * 128 + h * 128 + u * 8;
+  uint4 a0, a1;
+  if (XFIRST) { a0 = *(const uint4*)(x + off); a1 = *(const uint4*)(x + off + 64); }
+  const long long pos = sp[b];
+  const float4 f0 = *(const float4*)(freqs + pos * 128 + u * 8);
+  const float4 f1 = *(const float4*)(freqs + pos * 128 + u * 8 + 4);
+  const float ang[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+  float c[8], s[8];
+  if (LOOP) {
+    float ts[8], tc[8];
+#pragma unroll 1
+    for (int m = 0; m < 8; ++m) sincosf(ang[m], &ts[m], &tc[m]);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) s[m] = ts[m], c[m] = tc[m];
+  } else
+#pragma unroll
+  for (int m = 0; m < 8; ++m) { if (FAST) __sincosf(ang[m], &s[m], &c[m]); else sincosf(ang[m], &s[m], &c[m]); }
+  if (!XFIRST) { a0 = *(const uint4*)(x + off); a1 = *(const uint4*)(x + off + 64); }
+  unsigned w0[4] = {a0.x, a0.y, a0.z, a0.w}, w1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float p0 = lo(w0[j]), p1 = hi(w0[j]), q0 = lo(w1[j]), q1 = hi(w1[j]);
+    const int m0 = 2 * j, m1 = 2 * j + 1;
+    float r0 = p0 * c[m0] - q0 * s[m0], r1 = p1 * c[m1] - q1 * s[m1];
+    float t0 = q0 * c[m0] + p0 * s[m0], t1 = q1 * c[m1] + p1 * s[m1];
+    w0[j] = pk(r0, r1); w1[j] = pk(t0, t1);
+  }
+  *(uint4*)(y + off) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+  *(uint4*)(y + off + 64) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+}
+extern "C" __global__ void __launch_bounds__(256) dec_min(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<0, 0>(x, y, f, sp, B, H); }
+extern "C" __global__ void __launch_bounds__(256) dec_xfirst(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0>(x, y, f, sp, B, H); }
+extern "C" __global__ void __launch_bounds__(256) dec_loop(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0, 1>(x, y, f, sp, B, H); }
+extern "C" __global__ void __launch_bounds__(256) dec_fast(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 1>(x, y, f, sp, B, H); }
+"""
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    import cupy
+    import numpy as np
+    import torch
+
+    import cupy_rope
+    from cupy_rope import _launch, _worksplit
+    from cupy_rope._dev.benchmark import copy_time, graph_time
+
+    dev = "cuda"
+    B, H, D, n, n_cold = 64, 32, 128, 400, 60
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.empty(B, 1, H, D, dtype=torch.bfloat16, device=dev).uniform_(-1, 1, generator=g)
+    sp = torch.randint(0, 4000, (B,), dtype=torch.int32, device=dev, generator=g)
+    f = cupy_rope.rope_freqs(D, 4096, like=torch.empty(0, device=dev))
+    ref = cupy_rope.apply_rope(x, f, "bshd", start_positions=sp)
+    flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)  # > L2
+
+    def flush():
+        flush_buf.zero_()
+
+    t_flush = graph_time([flush] * n_cold)
+    out = {"shape": [B, 1, H, D], "flush_us": t_flush, "times": {}}
+
+    def record(label, fn, **extra):
+        fns = [step for _ in range(n_cold) for step in (flush, fn)]
+        r = dict(extra, us=graph_time([fn] * n), cold_us=graph_time(fns) * 2 - t_flush)
+        out["times"][label] = r
+        print(label, r, flush=True)
+
+    for label, one_row in (("library (one-row kernel)", True), ("streaming kernel", False)):
+        _worksplit._ONE_ROW = one_row
+        _launch._CACHE.clear()
+        y = cupy_rope.apply_rope(x, f, "bshd", start_positions=sp)  # planned afresh
+        prep = list(_launch._CACHE.values())[-1][0]  # its prepared launch, writing y
+        name = next(k for (_, k), v in _launch._functions.items() if v[1] == prep.fptr)
+
+        def run(prep=prep):
+            prep(torch.cuda.current_stream().cuda_stream, ())
+
+        record(label, run, kernel=name, grid=list(prep.grid), exact=bool(torch.equal(ref, y)))
+    _worksplit._ONE_ROW = True
+
+    mod = cupy.RawModule(code=_MIN_SRC, options=("--std=c++17",))
+    ys = torch.empty_like(x)
+    for kname in ("dec_min", "dec_xfirst", "dec_loop", "dec_fast"):
+        k = mod.get_function(kname)
+
+        def run(k=k):
+            st = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            k((B * H * 8 // 256,), (256,), (x.data_ptr(), ys.data_ptr(), f.data_ptr(), sp.data_ptr(),
+                                             np.int32(B), np.int32(H)), stream=st)
+        run()
+        torch.cuda.synchronize()
+        record(kname, run, max_err_vs_library=float((ys.float() - ref.float()).abs().max()))
+    nbytes = 2 * x.numel() * 2 + B * D * 4
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    record("copy (cudaMemcpy)", lambda: dst.copy_(src), best_copy_us=copy_time(nbytes, 1, [0] * n)[0])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
