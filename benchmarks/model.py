@@ -118,9 +118,12 @@ def _torch_model(cfg, variant, seed=0):
 
     weights = [(torch.randn(D, 3 * D, generator=g, device=dev, dtype=dt) * D ** -0.5,
                 torch.randn(D, D, generator=g, device=dev, dtype=dt) * D ** -0.5) for _ in range(cfg["layers"])]
-    for pair in weights:  # a module's parameters, which torch treats as static: CUDA-graph trees would
-        for w in pair:  # otherwise copy every weight into the graph on each replay (both variants alike)
-            torch._dynamo.mark_static_address(w)
+    # A module's parameters, which torch treats as static: CUDA-graph trees would otherwise copy
+    # every weight into the graph on each replay (both variants alike). Unguarded: every layer
+    # passes other weights to the one compiled layer; a guarded mark recompiles it per layer.
+    for pair in weights:
+        for w in pair:
+            torch._dynamo.mark_static_address(w, guard=False)
     x = torch.randn(b, s, D, generator=g, device=dev, dtype=dt)
     return layer, weights, x
 

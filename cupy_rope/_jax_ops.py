@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _launch, _numpy_backend, _plan, _xla
+from . import _kernels, _launch, _numpy_backend, _plan, _xla
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -39,8 +39,10 @@ def _shapes(*arrays):
 
 
 def _precompile(spec) -> None:
-    """The kernel a traced call launches, compiled before XLA runs (and records) it."""
-    _xla.precompile([spec.name])
+    """The kernel a traced call launches, compiled before XLA runs (and records) it. The trace
+    plans without the device's SM count, so a rope launch compiles both kernels the device's
+    work split may pick."""
+    _xla.precompile(_kernels.launch_alternatives(spec.name))
 
 
 def _check_cpu_cu(plan, lead_shape, cu):

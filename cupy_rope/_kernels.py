@@ -51,6 +51,13 @@ def all_kernels() -> list[str]:
     ]
 
 
+def launch_alternatives(name: str) -> tuple[str, ...]:
+    """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
+    device that runs it: a rope launch the streaming (``rope_``) or the one-row (``rope1_``) kernel."""
+    kind, rest = name.split("_", 1)
+    return (f"rope_{rest}", f"rope1_{rest}") if kind in ("rope", "rope1") else (name,)
+
+
 _NAME = re.compile(r"^(rope|rope1|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 

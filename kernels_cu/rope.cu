@@ -87,6 +87,9 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
 // so that their loads overlap the position and table loads, and there is no streaming loop, so
 // that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
+// Its first lines repeat rope_body's on purpose: moving them into a shared helper changed the
+// streaming kernel's machine code (25 of its 44 instantiations, NVRTC sm_90), whose measured
+// timings are the library's record; sharing them waits for a GPU run that re-measures it.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;

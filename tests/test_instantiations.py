@@ -169,3 +169,13 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
             _kernels.struct_fields("Bad")
     finally:
         _kernels.struct_fields.cache_clear()
+
+
+def test_launch_alternatives():
+    """A traced JAX call plans without the device's SM count and compiles every kernel the
+    device's work split may pick: a rope launch's two kernels, a QKV launch's one."""
+    names = set(_kernels.all_kernels())
+    for name in names:
+        alts = _kernels.launch_alternatives(name)
+        assert name in alts and set(alts) <= names, (name, alts)
+        assert len(alts) == (1 if name.startswith("qkv_") else 2), (name, alts)
