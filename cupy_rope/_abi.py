@@ -22,6 +22,7 @@ INDEX_ARGS = ("cu_seqlens", "start_positions", "positions")  # addresses inside 
 # cache in the tensors' own dtype is kind 2 (the kernel reads it as T).
 TABLE_KINDS = {("angles", "float32"): 0, ("cos_sin", "float32"): 1, ("inv_freq", "float64"): 3,
                ("inv_freq", "float32"): 4}
+ANGLES = TABLE_KINDS[("angles", "float32")]
 
 
 def table_kind(table) -> int:

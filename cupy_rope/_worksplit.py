@@ -16,9 +16,10 @@ from ._plan import ITEMSIZE, norm_strides, split_tokens, token_strides
 # benchmark harness changes it, in its own process (benchmarks/run.py --tune).
 _THREADS_PER_SM = 512
 _MAX_VEC_BYTES = 0
-# Launches where every thread gets one row (C = heads) take the one-row kernel (``rope1``; the
-# same arithmetic, less code and latency per thread). Fixed like the constants above; tests set it
-# False to run the streaming kernel on every shape.
+# Launches with an angle table where every thread gets one row (C = heads) take the one-row
+# kernel (``rope1``; the same arithmetic, less code and latency per thread; the other table kinds
+# stay on the streaming kernel). Fixed like the constants above; tests set it False to run the
+# streaming kernel on every shape.
 _ONE_ROW = True
 
 
@@ -92,7 +93,8 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
     alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
     row i runs tensor i. The vector width is the widest valid for every array of the launch; the
-    one-row kernel runs it when every thread of every tensor has a single row.
+    one-row kernel runs it when the table holds angles and every thread of every tensor has a
+    single row.
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
@@ -104,7 +106,7 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         blocks.append({**vals, **pos})
         grid = max(grid, nb)
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
-    one_row = _ONE_ROW and all(b["n_chunks"] >= b["n_heads"] for b in blocks)
+    one_row = _ONE_ROW and all(b["n_chunks"] >= b["n_heads"] and b["f_kind"] == _abi.ANGLES for b in blocks)
     name = _kernels.kernel_name("rope1" if one_row else "rope", p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)
 

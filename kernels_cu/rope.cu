@@ -87,6 +87,8 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
 // so that their loads overlap the position and table loads, and there is no streaming loop, so
 // that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
+// Angle tables only (f_kind == kAngles): the launch layer keeps the other table kinds on the
+// streaming kernel.
 // Its first lines repeat rope_body's on purpose: moving them into a shared helper changed the
 // streaming kernel's machine code (25 of its 44 instantiations, NVRTC sm_90), whose measured
 // timings are the library's record; sharing them waits for a GPU run that re-measures it.
@@ -113,15 +115,8 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
     float v[2 * V], cm[V], sm[V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    int mode = kHeld;
-    const float* trow = nullptr;
-    if (p.f_kind == kAngles) {
-      trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
-      mode = held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm);
-    } else {
-      table_sincos<T, INTERLEAVED, V>(p.f_kind, p.freqs, pos, p.f_srow, p.f_scol, p.d2 / 2, cb0, cm, sm);
-    }
-    if (mode == kHeld) {
+    const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+    if (held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);

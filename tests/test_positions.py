@@ -138,9 +138,12 @@ def _same_bits(a, b):
 def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
     outputs poisoned with NaN first (every element must be written). Each case on the one-row
-    kernel, on the streaming kernel given one row per thread, and with all rows in one thread."""
+    kernel (angle tables; the other table kinds take the streaming kernel), on the streaming kernel
+    given one row per thread, and with all rows in one thread."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if kernel == "max_rows" else 10**9)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
+    names, orig = [], hostkernels.launch
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     pos, q, k, tables, hs, kind, rows = case.arrays()
     tname, table = next(iter(tables.items()))
     infos = {n: None for n in _plan.TABLE_ARGS}
@@ -153,6 +156,8 @@ def test_host_kernels(case, kernel, monkeypatch):
     hostkernels.run_rope_pos(plans, xs, table, pos, outs)
     case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
                None if k is None else outs[1].reshape(k.shape), hs)
+    one_row = kernel == "one_row" and kind == "angles"
+    assert all(n.startswith("rope1_" if one_row else "rope_") for n in names), (kind, names)
 
 
 @pytest.mark.parametrize("case", CASES[:60], ids=repr)
