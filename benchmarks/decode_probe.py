@@ -69,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(256) dec_loop(const unsigned short*
 extern "C" __global__ void __launch_bounds__(256) dec_fast(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 1>(x, y, f, sp, B, H); }
 """
 
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
