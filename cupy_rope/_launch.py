@@ -16,6 +16,7 @@ import ctypes
 import threading
 
 from . import _interop, _kernels
+from ._plan import byte_extent
 
 _lock = threading.Lock()
 _functions: dict = {}  # (device, name) -> (module, function pointer, context)
@@ -193,21 +194,12 @@ _DESCS = {"torch": _descs_torch, "cupy": _descs_cupy}
 
 def _extent(kind, a):
     """Byte range [lo, hi) that ``a``'s elements span; None when it has none."""
+    if 0 in a.shape:
+        return None
     if kind == "torch":
         isz = a.element_size()
-        strides = [s * isz for s in a.stride()]
-    else:
-        isz, strides = a.itemsize, a.strides
-    lo = hi = 0
-    for n, s in zip(a.shape, strides):
-        if n == 0:
-            return None
-        if s > 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    p = a.data_ptr() if kind == "torch" else a.data.ptr
-    return p + lo, p + hi + isz
+        return byte_extent(a.data_ptr(), a.shape, [s * isz for s in a.stride()], isz)
+    return byte_extent(a.data.ptr, a.shape, a.strides, a.itemsize)
 
 
 def _overlaps(r0, r1) -> bool:

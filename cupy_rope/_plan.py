@@ -39,15 +39,21 @@ class ArrayInfo:
     def extent(self) -> tuple[int, int]:
         """Byte range [lo, hi) the array's elements occupy (empty arrays: empty range)."""
         isz = ITEMSIZE.get(self.dtype, 1)
-        if self.size == 0:
-            return (self.ptr, self.ptr)
-        lo = hi = 0
-        for n, s in zip(self.shape, self.strides):
-            if s > 0:
-                hi += (n - 1) * s
-            else:
-                lo += (n - 1) * s
-        return (self.ptr + lo * isz, self.ptr + (hi + 1) * isz)
+        return byte_extent(self.ptr, self.shape, [s * isz for s in self.strides], isz)
+
+
+def byte_extent(ptr: int, shape, byte_strides, itemsize: int) -> tuple[int, int]:
+    """Byte range [lo, hi) that the elements of an array at ``ptr`` occupy (strides in bytes, any
+    sign); an empty array: the empty range (ptr, ptr)."""
+    if 0 in tuple(shape):
+        return (ptr, ptr)
+    lo = hi = 0
+    for n, s in zip(shape, byte_strides):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return (ptr + lo, ptr + hi + itemsize)
 
 
 def _fmt_dev(dev) -> str:

@@ -123,7 +123,6 @@ def check_index_contents(pos: Positions, lead_shape: tuple, tables: dict, cu_seq
                              f"{rows} rows")
 
 
-
 def check_position_ids(ids, table_name: str, rows: int) -> None:
     """The positions API's debug check: every position (host NumPy values) inside the table."""
     p = np.asarray(ids).astype(np.int64)

@@ -47,14 +47,21 @@ template <typename T> struct HeadRows {
   }
 };
 
+// A rope thread's work item, declared in the kernel body: token tok = (outer, inner), head chunk
+// c, unit u; a thread past the last token returns. A macro, not a function: the streaming
+// kernel's machine code is the measured one only with these statements inline in its body (a
+// helper function changed it in 25 of its 44 instantiations, NVRTC sm_90).
+#define CUPY_ROPE_THREAD_ITEM(p)                                  \
+  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;   \
+  i64 tok, rest, c, u, outer, inner;                             \
+  divmod(item, (p).n_chunks * (p).n_units, tok, rest);           \
+  if (tok >= (p).n_tok) return;                                  \
+  divmod(rest, (p).n_units, c, u);                               \
+  divmod(tok, (p).n_inner, outer, inner)
+
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rope_body(const RopeParams& p) {
-  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 tok, rest, c, u, outer, inner;
-  divmod(item, p.n_chunks * p.n_units, tok, rest);
-  if (tok >= p.n_tok) return;
-  divmod(rest, p.n_units, c, u);
-  divmod(tok, p.n_inner, outer, inner);
+  CUPY_ROPE_THREAD_ITEM(p);
 
   const i64 C = p.n_chunks;
   const int cnt = (int)((p.n_heads - c + C - 1) / C);
@@ -89,18 +96,10 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
 // Angle tables only (f_kind == kAngles): the launch layer keeps the other table kinds on the
 // streaming kernel.
-// Its first lines repeat rope_body's on purpose: moving them into a shared helper changed the
-// streaming kernel's machine code (25 of its 44 instantiations, NVRTC sm_90), whose measured
-// timings are the library's record; sharing them waits for a GPU run that re-measures it.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
-  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 tok, rest, c, u, outer, inner;
-  divmod(item, p.n_chunks * p.n_units, tok, rest);
-  if (tok >= p.n_tok) return;
-  divmod(rest, p.n_units, c, u);
+  CUPY_ROPE_THREAD_ITEM(p);
   if (c >= p.n_heads) return;  // a tensor without heads (the other of the launch has some)
-  divmod(tok, p.n_inner, outer, inner);
   i64 cb0, cb1;
   bool pair;
   const bool rot = unit_channels<INTERLEAVED>(u, p.n_rot_units, p.d2, p.tail_w, V, cb0, cb1, pair);
