@@ -17,7 +17,8 @@ Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead"
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
 ``infer`` (forward, no grad) and ``train`` (forward + backward of a scalar loss, gradients of the
 weights and the input). Time per step: median over rounds of back-to-back steps, one
-synchronisation per round.
+synchronisation per round; the two variants' rounds interleaved, so that the host's speed, which
+sets the time of host-bound steps, drifts alike for both.
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
 bf16 with offsets, against the formula in the same framework and mode, and the raw launch cost
@@ -55,9 +56,10 @@ MAX_POS = 4096
 def _per_call(fn, sync, calls, rounds, warm=3):
     """Median seconds per call over ``rounds`` rounds of ``calls`` back-to-back calls, one
     synchronisation per round."""
-    for _ in range(warm):
-        last = fn()
-    sync(last)
+    if warm:
+        for _ in range(warm):
+            last = fn()
+        sync(last)
     res = []
     for _ in range(rounds):
         t = time.perf_counter()
@@ -68,9 +70,18 @@ def _per_call(fn, sync, calls, rounds, warm=3):
     return float(np.median(res))
 
 
-def _median_step_ms(step, sync, rounds=7, steps=10):
-    """Median ms per model step."""
-    return _per_call(step, sync, steps, rounds) * 1e3
+def _paired_step_ms(steps, sync, rounds=7, per_round=10):
+    """Median ms per model step of each of ``steps`` (name -> step function), their rounds of
+    ``per_round`` back-to-back steps interleaved (the order alternating from round to round), so
+    that a drift of the host's speed during the measurement reaches every variant alike."""
+    names = list(steps)
+    for name in names:
+        _per_call(steps[name], sync, per_round, 1)  # warm-up (compilation, graph recording)
+    res = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            res[name].append(_per_call(steps[name], sync, per_round, 1, warm=0) * 1e3)
+    return {name: float(np.median(v)) for name, v in res.items()}
 
 
 # ----------------------------------------------------------------------------- torch model
@@ -128,12 +139,12 @@ def _torch_model(cfg, variant, seed=0):
     return layer, weights, x
 
 
-def _torch_step(cfg, variant, mode, kind):
+def _torch_step(cfg, variant, mode, kind, reset=True):
     import torch
 
     layer, weights, x = _torch_model(cfg, variant)
-    if mode != "eager":
-        torch._dynamo.reset()  # each (config, variant) compiles afresh: no recompile-limit carry-over
+    if mode != "eager" and reset:
+        torch._dynamo.reset()  # compiles afresh: no recompile-limit carry-over
     if mode == "compile":
         layer = torch.compile(layer, fullgraph=True)
     elif mode == "reduce-overhead":
@@ -241,12 +252,17 @@ def model_rows(configs, modes, kinds, rounds):
     for cname, mode, kind in tqdm(jobs, desc="model", file=sys.stdout):
         cfg = CONFIGS[cname]
         fw = "jax" if mode == "jit" else "torch"
-        times = {}
         try:
+            if fw == "torch" and mode != "eager":
+                import torch
+
+                torch._dynamo.reset()  # each row compiles afresh: no recompile-limit carry-over
+            steps = {}
             for variant in ("formula", "cupy_rope"):
-                step, sync = _jax_step(cfg, variant, kind) if fw == "jax" else _torch_step(cfg, variant, mode, kind)
-                before = _launch_counts()  # the row keeps the cupy_rope variant's (the last) counts
-                times[variant] = _median_step_ms(step, sync, rounds=rounds)
+                steps[variant], sync = (_jax_step(cfg, variant, kind) if fw == "jax"
+                                        else _torch_step(cfg, variant, mode, kind, reset=False))
+            before = _launch_counts()  # only the cupy_rope variant launches through cupy_rope
+            times = _paired_step_ms(steps, sync, rounds=rounds)
             after = _launch_counts()
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
                              cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],

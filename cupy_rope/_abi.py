@@ -23,10 +23,12 @@ INDEX_ARGS = ("cu_seqlens", "start_positions", "positions")  # addresses inside 
 TABLE_KINDS = {("angles", "float32"): 0, ("cos_sin", "float32"): 1, ("inv_freq", "float64"): 3,
                ("inv_freq", "float32"): 4}
 ANGLES = TABLE_KINDS[("angles", "float32")]
+COS_SIN32 = TABLE_KINDS[("cos_sin", "float32")]
+COS_SIN_T = 2  # a cos/sin cache in the tensors' own dtype (table_kind's default)
 
 
 def table_kind(table) -> int:
-    return TABLE_KINDS.get((table.kind, table.dtype), 2)
+    return TABLE_KINDS.get((table.kind, table.dtype), COS_SIN_T)
 
 
 def pack(fields, vals: dict) -> bytes:

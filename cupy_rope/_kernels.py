@@ -16,8 +16,11 @@ import re
 from pathlib import Path
 
 # Kernel kinds: the source file that defines them and their entry-point macro.
-# rope: the streaming rope kernel; rope1: the same rotation, one row per thread (small launches).
-KINDS = {"rope": "CUPY_ROPE_KERNEL", "rope1": "CUPY_ROPE1_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+# rope: the streaming rope kernel; rope1 / rope1c: the same rotation, one row per thread (small
+# launches) with an angle table / a cos/sin cache.
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "rope1": "CUPY_ROPE1_KERNEL", "rope1c": "CUPY_ROPE1C_KERNEL",
+         "qkv": "CUPY_QKV_KERNEL"}
+ROPE_KINDS = ("rope", "rope1", "rope1c")  # the kernels of a rope launch (RopeParams, two blocks)
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -28,7 +31,7 @@ BLOCK = 256  # threads per block; must equal CUPY_ROPE_BLOCK's default in rope_c
 def param_blocks(name: str) -> int:
     """Parameter blocks kernel ``name`` takes by value: the rope kernels two (one per grid row,
     ``CUPY_ROPE_ENTRY_PAIR``), the QKV kernels one."""
-    return 2 if name.startswith(("rope_", "rope1_")) else 1
+    return 2 if name.split("_", 1)[0] in ROPE_KINDS else 1
 
 
 def vector_widths(dtype: str) -> tuple[int, ...]:
@@ -53,12 +56,13 @@ def all_kernels() -> list[str]:
 
 def launch_alternatives(name: str) -> tuple[str, ...]:
     """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
-    device that runs it: a rope launch the streaming (``rope_``) or the one-row (``rope1_``) kernel."""
+    device that runs it: a rope launch the streaming (``rope_``) or a one-row kernel (``rope1_``,
+    ``rope1c_``, as the table kind picks)."""
     kind, rest = name.split("_", 1)
-    return (f"rope_{rest}", f"rope1_{rest}") if kind in ("rope", "rope1") else (name,)
+    return tuple(f"{k}_{rest}" for k in ROPE_KINDS) if kind in ROPE_KINDS else (name,)
 
 
-_NAME = re.compile(r"^(rope|rope1|qkv)_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
+_NAME = re.compile(r"^(" + "|".join(KINDS) + r")_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 
 def entry_line(name: str) -> str:

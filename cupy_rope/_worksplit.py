@@ -16,11 +16,12 @@ from ._plan import ITEMSIZE, norm_strides, split_tokens, token_strides
 # benchmark harness changes it, in its own process (benchmarks/run.py --tune).
 _THREADS_PER_SM = 512
 _MAX_VEC_BYTES = 0
-# Launches with an angle table where every thread gets one row (C = heads) take the one-row
-# kernel (``rope1``; the same arithmetic, less code and latency per thread; the other table kinds
-# stay on the streaming kernel). Fixed like the constants above; tests set it False to run the
-# streaming kernel on every shape.
+# Launches where every thread gets one row (C = heads) take a one-row kernel (the same
+# arithmetic, less code and latency per thread): ``rope1`` with an angle table, ``rope1c`` with a
+# cos/sin cache; inverse frequencies stay on the streaming kernel. Fixed like the constants above;
+# tests set it False to run the streaming kernel on every shape.
 _ONE_ROW = True
+_ONE_ROW_KINDS = {_abi.ANGLES: "rope1", _abi.COS_SIN32: "rope1c", _abi.COS_SIN_T: "rope1c"}
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -92,9 +93,9 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
 def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.LaunchSpec:
     """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
     alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
-    row i runs tensor i. The vector width is the widest valid for every array of the launch; the
-    one-row kernel runs it when the table holds angles and every thread of every tensor has a
-    single row.
+    row i runs tensor i. The vector width is the widest valid for every array of the launch; a
+    one-row kernel runs it when every thread of every tensor has a single row and the table
+    holds angles or cos/sin.
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
@@ -106,8 +107,10 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         blocks.append({**vals, **pos})
         grid = max(grid, nb)
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
-    one_row = _ONE_ROW and all(b["n_chunks"] >= b["n_heads"] and b["f_kind"] == _abi.ANGLES for b in blocks)
-    name = _kernels.kernel_name("rope1" if one_row else "rope", p0.dtype, vec, p0.interleaved, p0.backward)
+    kind = "rope"
+    if _ONE_ROW and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+        kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
+    name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)
 
 

@@ -94,9 +94,10 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
 // so that their loads overlap the position and table loads, and there is no streaming loop, so
 // that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
-// Angle tables only (f_kind == kAngles): the launch layer keeps the other table kinds on the
+// CACHE false: angle tables (f_kind kAngles; rope1_ kernels); true: cos/sin caches (kinds
+// kCosSin32, kCosSinT; rope1c_ kernels). The launch layer keeps inverse frequencies on the
 // streaming kernel.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   CUPY_ROPE_THREAD_ITEM(p);
   if (c >= p.n_heads) return;  // a tensor without heads (the other of the launch has some)
@@ -114,11 +115,16 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
     float v[2 * V], cm[V], sm[V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
-    if (held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
+    if constexpr (CACHE) {
+      cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, INTERLEAVED ? cb0 / 2 : cb0, cm, sm);
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
-      rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);
+      const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+      if (held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
+        rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
+      } else {
+        rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);
+      }
     }
     from_floats<T, V>(v, a);
     from_floats<T, V>(v + V, b);
@@ -130,10 +136,14 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
 }  // namespace cupy_rope
 
 // One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
-// streaming kernel) or rope1_... (one row per thread), taking two parameter blocks (grid row 0:
+// streaming kernel), rope1_... (one row per thread, angle tables) or rope1c_... (one row per
+// thread, cos/sin caches), taking two parameter blocks (grid row 0:
 // the first tensor, row 1: the second, e.g. q and k). The launch layer appends the
-// CUPY_ROPE_KERNEL(...) / CUPY_ROPE1_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
+// CUPY_ROPE_KERNEL(...) / CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs
+// (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
-  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
+#define CUPY_ROPE1C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)

@@ -364,6 +364,18 @@ __device__ __forceinline__ float table_value(i64 kind, i64 addr, i64 i) {
   }
 }
 
+// The cos/sin of pairs i0 .. i0 + V - 1 from a cos/sin cache (kinds 1-2), row at element `row`:
+// cos of pair i in column i, sin in column h2 + i (column stride scol).
+template <typename T, int V>
+__device__ __forceinline__ void cache_sincos(i64 kind, i64 addr, i64 row, i64 scol, i64 h2, i64 i0,
+                                             float* cm, float* sm) {
+#pragma unroll
+  for (int m = 0; m < V; ++m) {
+    cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);
+    sm[m] = table_value<T>(kind, addr, row + (h2 + i0 + m) * scol);
+  }
+}
+
 // The cos/sin a thread holds for its unit (first channel c0 of the rotary slice: its first pair
 // is i0 = c0, interleaved c0 / 2) from a cos/sin cache row or inverse frequencies (kinds 1-4), for
 // a token at position `pos` inside the table. Row stride srow, column stride scol, h2 = d2 / 2.
@@ -383,12 +395,7 @@ __device__ __forceinline__ void table_sincos(i64 kind, i64 addr, i64 pos, i64 sr
       cm[m] = (float)c;
     }
   } else {
-    const i64 row = pos * srow;
-#pragma unroll
-    for (int m = 0; m < V; ++m) {
-      cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);
-      sm[m] = table_value<T>(kind, addr, row + (h2 + i0 + m) * scol);
-    }
+    cache_sincos<T, V>(kind, addr, pos * srow, scol, h2, i0, cm, sm);
   }
 }
 

@@ -12,7 +12,7 @@ import cupy_rope
 from cupy_rope import _abi, _kernels, _plan
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
-from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_ref
+from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_pos_ref, rope_ref
 
 LAUNCHED = set()
 
@@ -48,11 +48,13 @@ def _run(name, tail, fw, monkeypatch):
     """One call that the planner maps to kernel ``name``: on the CPU through the host build and the
     plan (``fw = "host"``), on the GPU through the public API with CuPy arrays (``"cupy"``). The
     call is small (one row per thread): the streaming kernel (``rope``) is forced by turning the
-    one-row kernel (``rope1``) off, and the launch cache is emptied so that the call is planned."""
+    one-row kernels (``rope1``, ``rope1c``) off, and the launch cache is emptied so that the call is
+    planned. ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for
+    ``tail`` 2, a cache in the tensors' dtype for ``tail`` 1."""
     from cupy_rope import _launch, _worksplit
 
     kind, dtype, v, il, bw = _parse(name)
-    monkeypatch.setattr(_worksplit, "_ONE_ROW", kind == "rope1")
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", kind in ("rope1", "rope1c"))
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
@@ -70,6 +72,26 @@ def _run(name, tail, fw, monkeypatch):
         host = lambda a: to_host(a, "cupy")  # noqa: E731
         dkw = dict(kw, start_positions=dev(sp))
     lead = (4, 3)
+    if kind == "rope1c":
+        x = _aligned((6, 5, d), dtype, rng)
+        pos = np.array([3, 0, 9, -1, 7, 10], np.int64)  # -1 and 10: outside the cache, copied
+        ang = rng.uniform(-40, 40, (10, h2))
+        cache = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32 if tail == 2 else NP_DTYPES[dtype])
+        if fw == "host":
+            tables = {n: None for n in _plan.TABLE_ARGS}
+            tables["cos_sin_cache"] = info(cache)
+            plans, _, _ = _plan.resolve_rope_pos(info(pos), info(x), None, tables, None, il, 0, bw, False)
+            names = []
+            orig = _hostkernels.launch
+            monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
+            (y,) = _hostkernels.run_rope_pos(plans, [x], cache, pos, (np.full(x.shape, np.nan, x.dtype),))
+            assert names == [name], (names, name)
+        else:
+            y = host(cupy_rope.apply_rope_pos(dev(pos), dev(x), None, cos_sin_cache=dev(cache), interleaved=il,
+                                              inverse=bw)[0])
+        ref = rope_pos_ref(x, pos, "cos_sin", cache, 10, il, 0, bw)
+        assert_close_to_ref(y, ref, x, d2, dtype, name)
+        return
     if kind in ("rope", "rope1"):
         x = _aligned(lead + (5, d), dtype, rng)
         out = _aligned((5,) + lead + (d,), dtype, rng)
@@ -173,9 +195,9 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
 
 def test_launch_alternatives():
     """A traced JAX call plans without the device's SM count and compiles every kernel the
-    device's work split may pick: a rope launch's two kernels, a QKV launch's one."""
+    device's work split may pick: a rope launch's three kernels, a QKV launch's one."""
     names = set(_kernels.all_kernels())
     for name in names:
         alts = _kernels.launch_alternatives(name)
         assert name in alts and set(alts) <= names, (name, alts)
-        assert len(alts) == (1 if name.startswith("qkv_") else 2), (name, alts)
+        assert len(alts) == (1 if name.startswith("qkv_") else 3), (name, alts)

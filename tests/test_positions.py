@@ -138,26 +138,46 @@ def _same_bits(a, b):
 def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
     outputs poisoned with NaN first (every element must be written). Each case on the one-row
-    kernel (angle tables; the other table kinds take the streaming kernel), on the streaming kernel
-    given one row per thread, and with all rows in one thread."""
+    kernels (rope1 for angle tables, rope1c for cos/sin caches; inverse frequencies take the
+    streaming kernel), on the streaming kernel given one row per thread, and with all rows in one
+    thread."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if kernel == "max_rows" else 10**9)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     pos, q, k, tables, hs, kind, rows = case.arrays()
-    tname, table = next(iter(tables.items()))
+    outs = _run_host(case, pos, q, k, tables, hs)
+    case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
+               None if k is None else outs[1].reshape(k.shape), hs)
+    want = {"angles": "rope1_", "cos_sin": "rope1c_"}.get(kind, "rope_") if kernel == "one_row" else "rope_"
+    assert all(n.startswith(want) for n in names), (kind, names)
+
+
+def _run_host(case, pos, q, k, tables, hs):
+    """The call's launch on the host build (q and k as ``[tokens.., h, d]`` views), outputs
+    poisoned with NaN first (every element must be written)."""
+    (tname, table), = tables.items()
     infos = {n: None for n in _plan.TABLE_ARGS}
     infos[tname] = _interop.info(table, "numpy")
     plans, views, _ = _plan.resolve_rope_pos(_interop.info(pos, "numpy"), _interop.info(q, "numpy"),
                                              _interop.info(k, "numpy") if k is not None else None, infos, hs,
                                              case.interleaved, case.off, case.inverse, False)
     xs = [a.reshape(v.shape) if a.ndim != len(v.shape) else a for a, v in zip((q, k), views)]
-    outs = tuple(np.full(x.shape, np.nan, x.dtype) for x in xs)
-    hostkernels.run_rope_pos(plans, xs, table, pos, outs)
-    case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
-               None if k is None else outs[1].reshape(k.shape), hs)
-    one_row = kernel == "one_row" and kind == "angles"
-    assert all(n.startswith("rope1_" if one_row else "rope_") for n in names), (kind, names)
+    return hostkernels.run_rope_pos(plans, xs, table, pos, tuple(np.full(x.shape, np.nan, x.dtype) for x in xs))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.kind in ("angles", "cos_sin", "cos_sin_t")], ids=repr)
+def test_one_row_kernels_are_bit_identical_to_streaming_kernel(case, monkeypatch):
+    """The one-row kernels (angle tables, cos/sin caches) are the streaming kernel's arithmetic in
+    another order: on the host build (no FMA contraction) the same bits."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
+    arrays = case.arrays()[:5]
+    got = []
+    for one_row in (True, False):
+        monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        got.append(_run_host(case, *arrays))
+    for a, b in zip(*got):
+        _same_bits(a, b)
 
 
 @pytest.mark.parametrize("case", CASES[:60], ids=repr)
