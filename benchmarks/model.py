@@ -7,6 +7,9 @@ framework and mode: with the plain formula (``x*cos + rotate_half(x)*sin``, cos/
 the model's dtype gathered at the positions, as model code writes it) and with cupy_rope (torch:
 ``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
 on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
+A third torch variant, ``cupy_rope_cache``, is the serving engines' form: per-token positions and
+a cos/sin cache in the model's dtype (``cupy_rope.torch.apply_rope_pos(positions, q, k,
+cos_sin_cache=...)``, the cache from ``rope_cos_sin_cache``), no sine or cosine in the kernel.
 
 Constant tables (the formula's cos/sin, cupy_rope's angle table from ``rope_freqs``, the decode
 positions) and the weights are marked static for CUDA-graph trees in both variants, as torch marks
@@ -17,8 +20,8 @@ Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead"
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
 ``infer`` (forward, no grad) and ``train`` (forward + backward of a scalar loss, gradients of the
 weights and the input). Time per step: median over rounds of back-to-back steps, one
-synchronisation per round; the two variants' rounds interleaved, so that the host's speed, which
-sets the time of host-bound steps, drifts alike for both.
+synchronisation per round; the variants' rounds interleaved, so that the host's speed, which
+sets the time of host-bound steps, drifts alike for all.
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
 bf16 with offsets, against the formula in the same framework and mode, and the raw launch cost
@@ -49,6 +52,8 @@ CONFIGS = {
     "decode": dict(b=64, s=1, h=32, d=128, layers=16, decode=True),
 }
 MODES = ("eager", "compile", "reduce-overhead", "jit")
+VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"), "jax": ("formula", "cupy_rope")}
+DEVICE = "cuda"  # torch models' device (a CPU run is a smoke test of the code, not a benchmark)
 KINDS = ("infer", "train")
 MAX_POS = 4096
 
@@ -86,7 +91,7 @@ def _paired_step_ms(steps, sync, rounds=7, per_round=10):
 
 # ----------------------------------------------------------------------------- torch model
 def _torch_model(cfg, variant, seed=0):
-    """(layer function, weights, inputs dict) of the torch model; ``variant`` 'formula' or 'cupy_rope'."""
+    """(layer function, weights, inputs dict) of the torch model; ``variant`` one of ``VARIANTS``."""
     import torch
     import torch.nn.functional as F
 
@@ -95,7 +100,7 @@ def _torch_model(cfg, variant, seed=0):
 
     b, s, h, d = cfg["b"], cfg["s"], cfg["h"], cfg["d"]
     D = h * d
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = DEVICE, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(seed)
     freqs = cupy_rope.rope_freqs(d, MAX_POS, like=torch.empty(0, device=dev))  # [S, 1, 1, d] float32
     if cfg["decode"]:
@@ -118,7 +123,15 @@ def _torch_model(cfg, variant, seed=0):
     def rope_ours(q, k):
         return crt.apply_rope_qk(q, k, freqs, "bshd", start_positions=sp)
 
-    rope = rope_formula if variant == "formula" else rope_ours
+    cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, dtype="bfloat16", like=torch.empty(0, device=dev))
+    torch._dynamo.mark_static_address(cache)
+    pos_ids = positions.contiguous()  # [b, s] int64
+    torch._dynamo.mark_static_address(pos_ids)
+
+    def rope_cache(q, k):
+        return crt.apply_rope_pos(pos_ids, q, k, cos_sin_cache=cache)
+
+    rope = {"formula": rope_formula, "cupy_rope": rope_ours, "cupy_rope_cache": rope_cache}[variant]
 
     def layer(x, w_qkv, w_o):
         qkv = (x @ w_qkv).view(b, s, 3, h, d)
@@ -258,15 +271,18 @@ def model_rows(configs, modes, kinds, rounds):
 
                 torch._dynamo.reset()  # each row compiles afresh: no recompile-limit carry-over
             steps = {}
-            for variant in ("formula", "cupy_rope"):
+            for variant in VARIANTS[fw]:
                 steps[variant], sync = (_jax_step(cfg, variant, kind) if fw == "jax"
                                         else _torch_step(cfg, variant, mode, kind, reset=False))
-            before = _launch_counts()  # only the cupy_rope variant launches through cupy_rope
+            before = _launch_counts()  # only the cupy_rope variants launch through cupy_rope
             times = _paired_step_ms(steps, sync, rounds=rounds)
             after = _launch_counts()
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
                              cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],
                              shape=cfg, launch_cache={k: after[k] - before[k] for k in after}))
+            if "cupy_rope_cache" in times:
+                rows[-1].update(cupy_rope_cache_ms=times["cupy_rope_cache"],
+                                ratio_cache=times["cupy_rope_cache"] / times["formula"])
         except Exception as e:  # recorded, never hidden
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, error=f"{type(e).__name__}: {e}"[:400]))
         tqdm.write(json.dumps({k: v for k, v in rows[-1].items() if k != "shape"}))

@@ -100,17 +100,21 @@ def _model_env(data, path):
 
 
 def model_table(data):
-    """End to end: ms per step with the plain formula and with cupy_rope, and their ratio."""
-    lines = ["| framework, mode | config | step | formula ms | cupy_rope ms | ratio |", "|---|---|---|---|---|---|"]
+    """End to end: ms per step with the plain formula and with cupy_rope (and, for torch, with
+    cupy_rope's positions + cos/sin cache form), and their ratios to the formula."""
+    lines = ["| framework, mode | config | step | formula ms | cupy_rope ms | ratio | cupy_rope, cos/sin cache ms | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
     order = {m: i for i, m in enumerate(MODE_DESC)}
     for r in sorted(data.get("rows", []), key=lambda r: (order.get(r["mode"], 9), list(CONFIG_DESC).index(r["config"])
                                                           if r["config"] in CONFIG_DESC else 9, r["kind"])):
         where = f"{MODE_DESC.get(r['mode'], r['mode'])} | {r['config']} ({CONFIG_DESC.get(r['config'], '')}) | {r['kind']}"
         if "error" in r:
-            lines.append(f"| {where} | error: {r['error'][:80]} | | |")
-        else:
-            lines.append(f"| {where} | {r['formula_ms']:.3f} | {r['cupy_rope_ms']:.3f} | "
-                         f"{r['cupy_rope_ms'] / r['formula_ms']:.2f} |")
+            lines.append(f"| {where} | error: {r['error'][:80]} | | | | |")
+            continue
+        cache = (f"{r['cupy_rope_cache_ms']:.3f} | {r['cupy_rope_cache_ms'] / r['formula_ms']:.2f}"
+                 if "cupy_rope_cache_ms" in r else "- | -")
+        lines.append(f"| {where} | {r['formula_ms']:.3f} | {r['cupy_rope_ms']:.3f} | "
+                     f"{r['cupy_rope_ms'] / r['formula_ms']:.2f} | {cache} |")
     return "\n".join(lines)
 
 
@@ -125,17 +129,23 @@ def percall_table(data):
     return "\n".join(lines)
 
 
-def _model_summary(data):
-    rows = [r for r in data.get("rows", []) if "error" not in r]
+def _ratio_summary(rows, field, label):
+    rows = [r for r in rows if field in r]
     if not rows:
         return ""
-    worst = max(rows, key=lambda r: r["cupy_rope_ms"] / r["formula_ms"])
-    best = min(rows, key=lambda r: r["cupy_rope_ms"] / r["formula_ms"])
-    over = [r for r in rows if r["cupy_rope_ms"] > r["formula_ms"]]
-    return (f"* Ratio cupy_rope / formula: {best['cupy_rope_ms'] / best['formula_ms']:.2f} "
+    worst = max(rows, key=lambda r: r[field] / r["formula_ms"])
+    best = min(rows, key=lambda r: r[field] / r["formula_ms"])
+    over = [r for r in rows if r[field] > r["formula_ms"]]
+    return (f"* Ratio {label} / formula: {best[field] / best['formula_ms']:.2f} "
             f"({MODE_DESC[best['mode']]}, {best['config']} {best['kind']}) to "
-            f"{worst['cupy_rope_ms'] / worst['formula_ms']:.2f} ({MODE_DESC[worst['mode']]}, {worst['config']} "
-            f"{worst['kind']}); {len(over)} of {len(rows)} steps slower with cupy_rope.")
+            f"{worst[field] / worst['formula_ms']:.2f} ({MODE_DESC[worst['mode']]}, {worst['config']} "
+            f"{worst['kind']}); {len(over)} of {len(rows)} steps slower with {label}.")
+
+
+def _model_summary(data):
+    rows = [r for r in data.get("rows", []) if "error" not in r]
+    return "\n".join(x for x in (_ratio_summary(rows, "cupy_rope_ms", "cupy_rope"),
+                                 _ratio_summary(rows, "cupy_rope_cache_ms", "cupy_rope (cos/sin cache)")) if x)
 
 
 SERVING_RESULTS = "benchmarks/results/h200_serving.json"
