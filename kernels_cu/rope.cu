@@ -116,12 +116,11 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
     if constexpr (CACHE) {
-      cache_sincos<T, V, true>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, INTERLEAVED ? cb0 / 2 : cb0, cm,
-                               sm);
+      cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, INTERLEAVED ? cb0 / 2 : cb0, cm, sm);
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
-      if (held_sincos<INTERLEAVED, V, true>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
+      if (held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
         rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
       } else {
         rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);

@@ -276,46 +276,19 @@ __device__ __forceinline__ void rotate_unit(float* x, const float* cf, const flo
   }
 }
 
-// Two runs of V table values, p0[0], p0[scol], ... and p1[0], p1[scol], ..., into out[0..V) and
-// out[V..2V) as floats (T: the table's element type). With VEC (the one-row kernels), 16-byte
-// loads where both runs are contiguous, aligned and 16 bytes long or more (V * sizeof(T) a
-// multiple of 16); element loads otherwise.
-template <typename T, int V, bool VEC>
-__device__ __forceinline__ void load_runs(const T* __restrict__ p0, const T* __restrict__ p1, i64 scol, float* out) {
-  constexpr int kPer = 16 / sizeof(T);  // elements per 16 bytes
-  if constexpr (VEC && V % kPer == 0) {
-    if (scol == 1 && !((reinterpret_cast<unsigned long long>(p0) | reinterpret_cast<unsigned long long>(p1)) & 15)) {
-#pragma unroll
-      for (int i = 0; i < V / kPer; ++i) {
-        to_floats<T, kPer>(load_vec<T, kPer>(p0 + i * kPer), out + i * kPer);
-        to_floats<T, kPer>(load_vec<T, kPer>(p1 + i * kPer), out + V + i * kPer);
-      }
-      return;
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < V; ++m) {
-    to_floats<T, 1>(load_vec<T, 1>(p0 + m * scol), out + m);
-    to_floats<T, 1>(load_vec<T, 1>(p1 + m * scol), out + V + m);
-  }
-}
-
 // The unit's 2V angles from table row `trow` (channels c0.., c1.., column stride scol): first
 // members af[m], second members ag[m]. True when every pair's two angles are equal (any
-// standard table), so that one cos/sin per pair serves both members. VEC: load_runs' 16-byte
-// loads (the one-row kernel).
-template <bool INTERLEAVED, int V, bool VEC = false>
+// standard table), so that one cos/sin per pair serves both members.
+template <bool INTERLEAVED, int V>
 __device__ __forceinline__ bool unit_angles(const float* __restrict__ trow, i64 c0, i64 c1, i64 scol,
                                             float* af, float* ag) {
-  float t[2 * V];
-  if constexpr (VEC) load_runs<float, V, true>(trow + c0 * scol, trow + c1 * scol, scol, t);
   bool eq = true;
 #pragma unroll
   for (int m = 0; m < V; ++m) {
     int f, g;
     pair_index<INTERLEAVED, V>(m, f, g);
-    af[m] = VEC ? t[f] : trow[unit_channel<V>(f, c0, c1) * scol];
-    ag[m] = VEC ? t[g] : trow[unit_channel<V>(g, c0, c1) * scol];
+    af[m] = trow[unit_channel<V>(f, c0, c1) * scol];
+    ag[m] = trow[unit_channel<V>(g, c0, c1) * scol];
     eq = eq && af[m] == ag[m];
   }
   return eq;
@@ -362,12 +335,12 @@ __device__ __forceinline__ void rotate_fresh(float* x, const float* __restrict__
 // The cos/sin a thread holds for its unit: computed once (one sincosf per pair) when every pair
 // of the unit has equal angles in table row `trow`; returns the mode of rows using this table
 // row (kCopy when trow is nullptr: position outside the table).
-template <bool INTERLEAVED, int V, bool VEC = false>
+template <bool INTERLEAVED, int V>
 __device__ __forceinline__ int held_sincos(const float* __restrict__ trow, i64 c0, i64 c1, i64 scol,
                                            float* cm, float* sm) {
   if (trow == nullptr) return kCopy;
   float af[V], ag[V];
-  if (!unit_angles<INTERLEAVED, V, VEC>(trow, c0, c1, scol, af, ag)) return kFresh;
+  if (!unit_angles<INTERLEAVED, V>(trow, c0, c1, scol, af, ag)) return kFresh;
 #pragma unroll
   for (int m = 0; m < V; ++m) sincosf(af[m], &sm[m], &cm[m]);
   return kHeld;
@@ -392,31 +365,14 @@ __device__ __forceinline__ float table_value(i64 kind, i64 addr, i64 i) {
 }
 
 // The cos/sin of pairs i0 .. i0 + V - 1 from a cos/sin cache (kinds 1-2), row at element `row`:
-// cos of pair i in column i, sin in column h2 + i (column stride scol). VEC: load_runs' 16-byte
-// loads (the one-row kernel).
-template <typename T, int V, bool VEC = false>
+// cos of pair i in column i, sin in column h2 + i (column stride scol).
+template <typename T, int V>
 __device__ __forceinline__ void cache_sincos(i64 kind, i64 addr, i64 row, i64 scol, i64 h2, i64 i0,
                                              float* cm, float* sm) {
-  if constexpr (VEC) {
-    float t[2 * V];
-    if (sizeof(T) == 4 || kind == kCosSin32) {
-      const float* p = reinterpret_cast<const float*>(addr) + row;
-      load_runs<float, V, true>(p + i0 * scol, p + (h2 + i0) * scol, scol, t);
-    } else {
-      const T* p = reinterpret_cast<const T*>(addr) + row;
-      load_runs<T, V, true>(p + i0 * scol, p + (h2 + i0) * scol, scol, t);
-    }
 #pragma unroll
-    for (int m = 0; m < V; ++m) {
-      cm[m] = t[m];
-      sm[m] = t[V + m];
-    }
-  } else {
-#pragma unroll
-    for (int m = 0; m < V; ++m) {
-      cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);
-      sm[m] = table_value<T>(kind, addr, row + (h2 + i0 + m) * scol);
-    }
+  for (int m = 0; m < V; ++m) {
+    cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);
+    sm[m] = table_value<T>(kind, addr, row + (h2 + i0 + m) * scol);
   }
 }
 
