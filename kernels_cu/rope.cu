@@ -116,7 +116,8 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
     if constexpr (CACHE) {
-      cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, INTERLEAVED ? cb0 / 2 : cb0, cm, sm);
+      const i64 i0 = INTERLEAVED ? cb0 / 2 : cb0;  // first pair of the unit
+      cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, i0, cm, sm);
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
@@ -137,10 +138,9 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
 
 // One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
 // streaming kernel), rope1_... (one row per thread, angle tables) or rope1c_... (one row per
-// thread, cos/sin caches), taking two parameter blocks (grid row 0:
-// the first tensor, row 1: the second, e.g. q and k). The launch layer appends the
-// CUPY_ROPE_KERNEL(...) / CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs
-// (cupy_rope/_kernels.py).
+// thread, cos/sin caches), taking two parameter blocks (grid row 0: the first tensor, row 1: the
+// second, e.g. q and k). The launch layer appends the CUPY_ROPE_KERNEL(...) /
+// CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
