@@ -17,7 +17,8 @@ from . import _dropins, _plan
 __all__ = ["rotary_embedding"]
 
 
-def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_neox: bool) -> None:
+def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_neox: bool,
+                     rope_dim_offset: int = 0, inverse: bool = False) -> None:
     """vLLM's ``rotary_embedding``: rotate ``query`` and ``key`` in place at ``positions``.
 
     Args:
@@ -28,6 +29,9 @@ def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_ne
         cos_sin_cache: ``[max_position, rot_dim]`` (cos in the first half, sin in the second),
             float32 or the query's dtype; ``rot_dim <= head_size`` (the rest passes through).
         is_neox: rotate-half (NeoX) pairs when True, interleaved (GPT-J) pairs when False.
+        rope_dim_offset: first channel of the rotary slice (channels ``rope_dim_offset ..
+            rope_dim_offset + rot_dim`` rotate; ``rot_dim + rope_dim_offset <= head_size``).
+        inverse: rotate by minus the angle (undoes a rotation; the gradient).
 
     Returns None; ``query`` and ``key`` hold the results. Positions outside the cache leave their
     token unrotated (vLLM reads out of bounds there). torch tensors (CUDA or CPU), CuPy or NumPy.
@@ -42,4 +46,5 @@ def rotary_embedding(positions, query, key, head_size: int, cos_sin_cache, is_ne
     """
     neox = _plan.check_bool("is_neox", is_neox)
     _dropins.rope_pos({"q": "query", "k": "key"}, positions, query, key, cos_sin_cache=cos_sin_cache,
-                      head_size=_plan.check_int("head_size", head_size, lo=1), interleaved=not neox, inplace=True)
+                      head_size=_plan.check_int("head_size", head_size, lo=1), interleaved=not neox,
+                      rope_dim_offset=rope_dim_offset, inverse=inverse, inplace=True)

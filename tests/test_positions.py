@@ -367,6 +367,18 @@ def test_vllm_rotary_embedding():
     assert_close_to_ref(q1.reshape(4, 2, 64), rq, qf.reshape(4, 2, 64), 32, "float32")
     with pytest.raises(TypeError, match="`is_neox`"):
         crv.rotary_embedding(pos, q1, None, 64, cache, 1)
+    # vLLM's later arguments: the rotary slice at an offset, the inverse rotation
+    for neox, off, inv in ((True, 16, False), (False, 32, True), (True, 0, True)):
+        q1, k1 = qf.copy(), kf.copy()
+        crv.rotary_embedding(pos, q1, k1, 64, cache[:, :32], neox, off, inverse=inv)
+        for x, y, h in ((qf, q1, 2), (kf, k1, 1)):
+            ref = rope_pos_ref(x.reshape(4, h, 64), pos, "cos_sin", cache[:, :32], 8, interleaved=not neox,
+                               offset=off, inverse=inv)
+            assert_close_to_ref(y.reshape(4, h, 64), ref, x.reshape(4, h, 64), 32, "float32")
+    with pytest.raises(ValueError, match=r"rope_dim_offset \+ rotary_dim <= head_size"):
+        crv.rotary_embedding(pos, qf.copy(), None, 64, cache[:, :32], True, 48)
+    with pytest.raises(TypeError, match="`inverse`"):
+        crv.rotary_embedding(pos, qf.copy(), None, 64, cache, True, 0, "yes")
 
 
 def test_flashinfer_drop_ins():
