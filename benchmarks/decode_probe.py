@@ -3,7 +3,9 @@
 Times, in CUDA-graph replay (``graph_time``), the library's decode launch (bshd [64, 1, 32, 128]
 bf16, per-sequence start positions: the one-row kernel), the streaming kernel on the same call,
 minimal hand-written kernels doing the same arithmetic (``dec_*``: a floor for this data flow;
-``dec_fast`` uses the inexact ``__sincosf``), and a copy of the same bytes; each with the L2 warm
+``dec_fast`` uses the inexact ``__sincosf``), the positions API on the same rows with a bf16 cos/sin
+cache (the one-row cache kernel) against a minimal cache kernel (``dec_cache``), and a copy of the
+same bytes; each with the L2 warm
 (the launch repeated) and cold (a 256 MB write before each launch, as a model's weight-streaming
 GEMM leaves it: the kernel's code and table come from memory). Development tool:
 ``python benchmarks/decode_probe.py [--json F]``.
@@ -63,6 +65,30 @@ __device__ __forceinline__ void body(const unsigned short* x, unsigned short* y,
   *(uint4*)(y + off) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
   *(uint4*)(y + off + 64) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
 }
+// The same rotation with cos/sin read from a bf16 cache [rows, 128] (cos in columns 0..63, sin
+// in 64..127) at the sequence's position: no sincosf (the positions API's cache path).
+__device__ __forceinline__ void body_cache(const unsigned short* x, unsigned short* y, const unsigned short* cs,
+                                           const int* sp, int B, int H) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int u = i & 7, h = (i >> 3) % H, b = (i >> 3) / H;
+  if (b >= B) return;
+  const long long off = (long long)b * H * 128 + h * 128 + u * 8;
+  const uint4 a0 = *(const uint4*)(x + off), a1 = *(const uint4*)(x + off + 64);
+  const long long row = (long long)sp[b] * 128 + u * 8;
+  const uint4 cq = *(const uint4*)(cs + row), sq = *(const uint4*)(cs + row + 64);
+  const unsigned cw[4] = {cq.x, cq.y, cq.z, cq.w}, sw[4] = {sq.x, sq.y, sq.z, sq.w};
+  unsigned w0[4] = {a0.x, a0.y, a0.z, a0.w}, w1[4] = {a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float c0 = lo(cw[j]), c1 = hi(cw[j]), s0 = lo(sw[j]), s1 = hi(sw[j]);
+    const float p0 = lo(w0[j]), p1 = hi(w0[j]), q0 = lo(w1[j]), q1 = hi(w1[j]);
+    w0[j] = pk(p0 * c0 - q0 * s0, p1 * c1 - q1 * s1);
+    w1[j] = pk(q0 * c0 + p0 * s0, q1 * c1 + p1 * s1);
+  }
+  *(uint4*)(y + off) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
+  *(uint4*)(y + off + 64) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
+}
+extern "C" __global__ void __launch_bounds__(256) dec_cache(const unsigned short* x, unsigned short* y, const unsigned short* cs, const int* sp, int B, int H) { body_cache(x, y, cs, sp, B, H); }
 extern "C" __global__ void __launch_bounds__(256) dec_min(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<0, 0>(x, y, f, sp, B, H); }
 extern "C" __global__ void __launch_bounds__(256) dec_xfirst(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0>(x, y, f, sp, B, H); }
 extern "C" __global__ void __launch_bounds__(256) dec_loop(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0, 1>(x, y, f, sp, B, H); }
@@ -104,31 +130,41 @@ def main(argv=None):
         out["times"][label] = r
         print(label, r, flush=True)
 
-    for label, one_row in (("library (one-row kernel)", True), ("streaming kernel", False)):
+    # the positions API on the same rows with a bf16 cos/sin cache (the serving path): rope1c
+    cache = cupy_rope.rope_cos_sin_cache(D, 4096, dtype="bfloat16", like=torch.empty(0, device=dev))
+    pos = sp.long()[:, None]  # [B, 1]: the token of each sequence
+    _worksplit._ONE_ROW = False
+    ref_cache = cupy_rope.apply_rope_pos(pos, x, None, cos_sin_cache=cache)[0]  # the streaming kernel
+    cases = (("library (one-row kernel)", True, lambda: cupy_rope.apply_rope(x, f, "bshd", start_positions=sp), ref),
+             ("streaming kernel", False, lambda: cupy_rope.apply_rope(x, f, "bshd", start_positions=sp), ref),
+             ("library, cos/sin cache (one-row kernel)", True,
+              lambda: cupy_rope.apply_rope_pos(pos, x, None, cos_sin_cache=cache)[0], ref_cache))
+    for label, one_row, call, want in cases:
         _worksplit._ONE_ROW = one_row
         _launch._CACHE.clear()
-        y = cupy_rope.apply_rope(x, f, "bshd", start_positions=sp)  # planned afresh
+        y = call()  # planned afresh
         prep = list(_launch._CACHE.values())[-1][0]  # its prepared launch, writing y
         name = next(k for (_, k), v in _launch._functions.items() if v[1] == prep.fptr)
 
         def run(prep=prep):
             prep(torch.cuda.current_stream().cuda_stream, ())
 
-        record(label, run, kernel=name, grid=list(prep.grid), exact=bool(torch.equal(ref, y)))
+        record(label, run, kernel=name, grid=list(prep.grid), exact=bool(torch.equal(want, y)))
     _worksplit._ONE_ROW = True
 
     mod = cupy.RawModule(code=_MIN_SRC, options=("--std=c++17",))
     ys = torch.empty_like(x)
-    for kname in ("dec_min", "dec_xfirst", "dec_loop", "dec_fast"):
+    for kname, table, want in (("dec_min", f, ref), ("dec_xfirst", f, ref), ("dec_loop", f, ref), ("dec_fast", f, ref),
+                               ("dec_cache", cache, ref_cache)):
         k = mod.get_function(kname)
 
-        def run(k=k):
+        def run(k=k, table=table):
             st = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-            k((B * H * 8 // 256,), (256,), (x.data_ptr(), ys.data_ptr(), f.data_ptr(), sp.data_ptr(),
+            k((B * H * 8 // 256,), (256,), (x.data_ptr(), ys.data_ptr(), table.data_ptr(), sp.data_ptr(),
                                              np.int32(B), np.int32(H)), stream=st)
         run()
         torch.cuda.synchronize()
-        record(kname, run, max_err_vs_library=float((ys.float() - ref.float()).abs().max()))
+        record(kname, run, max_err_vs_library=float((ys.float() - want.float()).abs().max()))
     nbytes = 2 * x.numel() * 2 + B * D * 4
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
