@@ -88,11 +88,16 @@ __device__ __forceinline__ void body_cache(const unsigned short* x, unsigned sho
   *(uint4*)(y + off) = make_uint4(w0[0], w0[1], w0[2], w0[3]);
   *(uint4*)(y + off + 64) = make_uint4(w1[0], w1[1], w1[2], w1[3]);
 }
-extern "C" __global__ void __launch_bounds__(256) dec_cache(const unsigned short* x, unsigned short* y, const unsigned short* cs, const int* sp, int B, int H) { body_cache(x, y, cs, sp, B, H); }
-extern "C" __global__ void __launch_bounds__(256) dec_min(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<0, 0>(x, y, f, sp, B, H); }
-extern "C" __global__ void __launch_bounds__(256) dec_xfirst(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0>(x, y, f, sp, B, H); }
-extern "C" __global__ void __launch_bounds__(256) dec_loop(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 0, 1>(x, y, f, sp, B, H); }
-extern "C" __global__ void __launch_bounds__(256) dec_fast(const unsigned short* x, unsigned short* y, const float* f, const int* sp, int B, int H) { body<1, 1>(x, y, f, sp, B, H); }
+#define DEC_KERNEL(NAME, TABLE, BODY)                                                                  \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const unsigned short* x, unsigned short* y, \
+                                                         const TABLE* t, const int* sp, int B, int H) { \
+    BODY(x, y, t, sp, B, H);                                                                        \
+  }
+DEC_KERNEL(dec_cache, unsigned short, body_cache)
+DEC_KERNEL(dec_min, float, (body<0, 0>))
+DEC_KERNEL(dec_xfirst, float, (body<1, 0>))
+DEC_KERNEL(dec_loop, float, (body<1, 0, 1>))
+DEC_KERNEL(dec_fast, float, (body<1, 1>))
 """
 
 

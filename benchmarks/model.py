@@ -123,15 +123,15 @@ def _torch_model(cfg, variant, seed=0):
     def rope_ours(q, k):
         return crt.apply_rope_qk(q, k, freqs, "bshd", start_positions=sp)
 
-    cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, dtype="bfloat16", like=torch.empty(0, device=dev))
-    torch._dynamo.mark_static_address(cache)
-    pos_ids = positions.contiguous()  # [b, s] int64
-    torch._dynamo.mark_static_address(pos_ids)
+    rope = {"formula": rope_formula, "cupy_rope": rope_ours}.get(variant)
+    if variant == "cupy_rope_cache":  # the serving form: per-token positions, a bf16 cos/sin cache
+        cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, dtype="bfloat16", like=torch.empty(0, device=dev))
+        pos_ids = positions.contiguous()  # [b, s] int64
+        for t in (cache, pos_ids):
+            torch._dynamo.mark_static_address(t)
 
-    def rope_cache(q, k):
-        return crt.apply_rope_pos(pos_ids, q, k, cos_sin_cache=cache)
-
-    rope = {"formula": rope_formula, "cupy_rope": rope_ours, "cupy_rope_cache": rope_cache}[variant]
+        def rope(q, k):
+            return crt.apply_rope_pos(pos_ids, q, k, cos_sin_cache=cache)
 
     def layer(x, w_qkv, w_o):
         qkv = (x @ w_qkv).view(b, s, 3, h, d)

@@ -40,8 +40,8 @@ def _shapes(*arrays):
 
 def _precompile(spec) -> None:
     """The kernel a traced call launches, compiled before XLA runs (and records) it. The trace
-    plans without the device's SM count, so a rope launch compiles both kernels the device's
-    work split may pick."""
+    plans without the device's SM count, so a rope launch compiles every rope kernel of its
+    dtype and options (``_kernels.launch_alternatives``): whichever the device's work split picks."""
     _xla.precompile(_kernels.launch_alternatives(spec.name))
 
 

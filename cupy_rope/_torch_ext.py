@@ -4,9 +4,9 @@ Built once per source, torch version and compiler with the host C++ compiler, to
 and libraries (no CUDA toolkit, no CUDA headers, no build tool) and cached
 (:mod:`cupy_rope._cxx`: ``CUPY_ROPE_HOST_CACHE``, default ``~/.cache/cupy_rope``). Once loaded,
 the cupy_rope ops' CUDA kernels are C++: a call whose signature (shapes, strides, dtypes,
-devices, options, address alignment; in place, the overlaps) was seen before launches from C++; any other call runs the
-Python path (op ``cupy_rope::_py_<op>``), which validates, plans, launches and hands its
-prepared launch to the C++ cache (:func:`mirror`).
+devices, options, address alignment; in place, the overlaps) was seen before launches from
+C++; any other call runs the Python path (op ``cupy_rope::_py_<op>``), which validates, plans,
+launches and hands its prepared launch to the C++ cache (:func:`mirror`).
 
 ``CUPY_ROPE_TORCH_EXT``: ``auto`` (default: built and used where torch sees a CUDA device and
 the build tools are present; otherwise, or if the build fails, a warning and the Python path),

@@ -3,8 +3,8 @@
 // One boxed dispatcher kernel serves every op (rope, rope_qk, rope_qk_, rope_pos, rope_pos_ and
 // the autograd-free _rope_impl / _rope_qk_impl / _rope_pos_impl). Per call it builds the call's
 // signature (each tensor's sizes, strides, dtype, device and address mod 16; every other
-// argument's value; for in-place ops the overlap signature) and looks up the launch the Python path prepared for that signature. On a
-// hit: outputs from torch's caching allocator, the addresses written into a copy of the
+// argument's value; for in-place ops the overlap signature) and looks up the launch the Python
+// path prepared for that signature. On a hit: outputs from torch's caching allocator, the addresses written into a copy of the
 // prepared parameter blocks, cuLaunchKernel on torch's current stream. Nothing else: no
 // validation (the Python path validated this exact signature), no Python, no synchronisation.
 // On a miss (or in debug mode) it runs the Python op ``cupy_rope::_py_<op>`` on the same stack:
