@@ -4,8 +4,12 @@ Times, in CUDA-graph replay (``graph_time``), the library's decode launch (bshd 
 bf16, per-sequence start positions: the one-row kernel), the streaming kernel on the same call,
 minimal hand-written kernels doing the same arithmetic (``dec_*``: a floor for this data flow;
 ``dec_fast`` uses the inexact ``__sincosf``), the positions API on the same rows with a bf16 cos/sin
-cache (the one-row cache kernel) against a minimal cache kernel (``dec_cache``), and a copy of the
-same bytes; each with the L2 warm
+cache (the one-row cache kernel) against a minimal cache kernel (``dec_cache``), the one-row cache
+kernel compiled with other entry points (with and without programmatic dependent launch: the
+kernel waits for the previous grid, ``griddepcontrol``, and is launched by ``cuLaunchKernelEx``
+with the programmatic stream serialization attribute) on x alone and on the serving row's q + k in
+place, minimal and empty kernels with and without it, and a copy of the same bytes; each with the
+L2 warm
 (the launch repeated) and cold (a 256 MB write before each launch, as a model's weight-streaming
 GEMM leaves it: the kernel's code and table come from memory). Development tool:
 ``python benchmarks/decode_probe.py [--json F]``.
@@ -14,6 +18,7 @@ GEMM leaves it: the kernel's code and table come from memory). Development tool:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 from pathlib import Path
@@ -94,11 +99,97 @@ __device__ __forceinline__ void body_cache(const unsigned short* x, unsigned sho
     BODY(x, y, t, sp, B, H);                                                                        \
   }
 DEC_KERNEL(dec_cache, unsigned short, body_cache)
+// Programmatic dependent launch: wait for the previous grid (a no-op when launched without the
+// attribute), then let the next one launch at once.
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+__device__ __forceinline__ void body_cache_pdl(const unsigned short* x, unsigned short* y, const unsigned short* cs,
+                                               const int* sp, int B, int H) {
+  pdl_enter();
+  body_cache(x, y, cs, sp, B, H);
+}
+__device__ __forceinline__ void body_empty(const unsigned short*, unsigned short*, const unsigned short*,
+                                           const int*, int, int) {}
+__device__ __forceinline__ void body_empty_pdl(const unsigned short*, unsigned short*, const unsigned short*,
+                                               const int*, int, int) { pdl_enter(); }
+DEC_KERNEL(dec_cache_pdl, unsigned short, body_cache_pdl)
+DEC_KERNEL(dec_empty, unsigned short, body_empty)
+DEC_KERNEL(dec_empty_pdl, unsigned short, body_empty_pdl)
 DEC_KERNEL(dec_min, float, (body<0, 0>))
 DEC_KERNEL(dec_xfirst, float, (body<1, 0>))
 DEC_KERNEL(dec_loop, float, (body<1, 0, 1>))
 DEC_KERNEL(dec_fast, float, (body<1, 1>))
 """
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
+
+
+def launcher_ex(fptr, grid, block, args, pdl, argv=None):
+    """A ``cuLaunchKernelEx`` launch of ``fptr`` with ctypes ``args`` (or the prepared kernel
+    parameter array ``argv``), with the programmatic stream serialization attribute when ``pdl``:
+    ``launch(stream)``."""
+    gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    attr = _LaunchAttr(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttr.value.offset, (ctypes.c_int * 1)(1), 4)
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(gx, gy, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, None,
+                        ctypes.pointer(attr), 1 if pdl else 0)
+    if argv is None:
+        argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+
+    def launch(stream, cfg=cfg, argv=argv, keep=(attr, args)):
+        cfg.stream = stream
+        rc = fn(ctypes.byref(cfg), fptr, argv, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernelEx: CUresult {rc}")
+    return launch
+
+
+# Variants of the library's kernels, compiled from its source with other entry-point macros (the
+# source's CUPY_ROPE_ENTRY / CUPY_ROPE_ENTRY_PAIR are defined only when not defined before it).
+_PDL_ENTER = 'asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" :::);'
+_ENTRY = r"""
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) \
+  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p) { %(pre)s BODY(p); }
+#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) \
+  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p0, const PARAMS p1) { \
+    %(pre)s %(body)s }
+"""
+_VARIANTS = {
+    "pair": dict(pre="", body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
+    "pair, PDL wait only": dict(pre='asm volatile("griddepcontrol.wait;" ::: "memory");',
+                                body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
+    "pair, PDL": dict(pre=_PDL_ENTER, body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
+    "single body": dict(pre="", body="BODY(blockIdx.y == 0 ? p0 : p1);"),
+    "single body, PDL": dict(pre=_PDL_ENTER, body="BODY(blockIdx.y == 0 ? p0 : p1);"),
+}
+
+
+def variant_launchers(prep, name):
+    """(label, launch(stream)) of each entry-point variant of kernel ``name``, with the prepared
+    launch's parameter blocks; the PDL variants launched with the attribute."""
+    import cupy
+
+    from cupy_rope import _kernels, _launch
+
+    out = []
+    for label, parts in _VARIANTS.items():
+        src = _ENTRY % parts + _kernels.source_for([name])
+        k = cupy.RawModule(code=src, options=_launch._options()).get_function(name)
+        fptr = getattr(k, "kernel", k).ptr
+        out.append((label, launcher_ex(fptr, prep.grid, prep.block, None, "PDL" in label, argv=prep.argv), k))
+    return out
 
 
 def main(argv=None):
@@ -157,6 +248,32 @@ def main(argv=None):
         record(label, run, kernel=name, grid=list(prep.grid), exact=bool(torch.equal(want, y)))
     _worksplit._ONE_ROW = True
 
+    # entry-point variants of the one-row cache kernel: x alone and the serving row's q + k in place
+    qk = torch.empty(B, 1, H + 8, D, dtype=torch.bfloat16, device=dev).uniform_(-1, 1, generator=g)
+    q0, k0 = qk[:, :, :H].clone(), qk[:, :, H:].clone()
+    qk_calls = (("x", lambda: cupy_rope.apply_rope_pos(pos, x, None, cos_sin_cache=cache)[0], None),
+                ("q+k in place", lambda: cupy_rope.apply_rope_pos(pos, qk[:, :, :H], qk[:, :, H:], cos_sin_cache=cache,
+                                                                  inplace=True), qk))
+    for what, call, buf in qk_calls:
+        _launch._CACHE.clear()
+        res = call()
+        got = res if buf is None else buf  # what the prepared launch writes
+        want = got.clone()
+        prep = list(_launch._CACHE.values())[-1][0]
+        name = next(k for (_, k), v in _launch._functions.items() if v[1] == prep.fptr)
+        for label, go, _k in variant_launchers(prep, name):
+            if buf is not None:
+                qk[:, :, :H], qk[:, :, H:] = q0, k0
+            else:
+                got.zero_()
+            go(torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+
+            def run(go=go):
+                go(torch.cuda.current_stream().cuda_stream)
+            record(f"rope1c {what}: {label}", run, kernel=name, grid=list(prep.grid),
+                   exact=bool(torch.equal(want, got)))
+
     mod = cupy.RawModule(code=_MIN_SRC, options=("--std=c++17",))
     ys = torch.empty_like(x)
     for kname, table, want in (("dec_min", f, ref), ("dec_xfirst", f, ref), ("dec_loop", f, ref), ("dec_fast", f, ref),
@@ -170,6 +287,23 @@ def main(argv=None):
         run()
         torch.cuda.synchronize()
         record(kname, run, max_err_vs_library=float((ys.float() - want.float()).abs().max()))
+    # programmatic dependent launch (cuLaunchKernelEx): the same cache kernel and an empty kernel,
+    # each with and without the attribute (the kernel waits for the previous grid first)
+    for kname, want in (("dec_cache", ref_cache), ("dec_cache_pdl", ref_cache), ("dec_empty", None),
+                        ("dec_empty_pdl", None)):
+        k = mod.get_function(kname)
+        kargs = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(ys.data_ptr()), ctypes.c_void_p(cache.data_ptr()),
+                ctypes.c_void_p(sp.data_ptr()), ctypes.c_int(B), ctypes.c_int(H)]
+        for pdl in (False, True):
+            go = launcher_ex(getattr(k, "kernel", k).ptr, B * H * 8 // 256, 256, kargs, pdl)
+
+            def run(go=go):
+                go(torch.cuda.current_stream().cuda_stream)
+            ys.zero_()
+            run()
+            torch.cuda.synchronize()
+            extra = {} if want is None else dict(max_err_vs_library=float((ys.float() - want.float()).abs().max()))
+            record(f"{kname} (cuLaunchKernelEx{', PDL' if pdl else ''})", run, **extra)
     nbytes = 2 * x.numel() * 2 + B * D * 4
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

@@ -5,14 +5,21 @@ Each kernel instantiation is compiled on first use (one small module per kernel,
 call compiles one kernel, not all of them) and cached per device by CuPy (memory and disk).
 A launch passes its packed parameter blocks by address (no per-argument conversion, no stream
 object). :class:`Prepared` keeps a launch ready: the blocks live in a ctypes buffer and a
-repeated call only writes its addresses into their slots and calls ``cuLaunchKernel``, through
-CuPy's Cython binding of the driver (``cupy.cuda.driver.launchKernel``; the per-call benchmark
-measures it against ``RawKernel.__call__``).
+repeated call only writes its addresses into their slots and launches.
+
+On devices of compute capability 9.0 and later the launch is a programmatic dependent launch
+(``cuLaunchKernelEx`` with the programmatic stream serialization attribute, called through
+ctypes): the kernel may be scheduled while the previous kernel on the stream finishes, and waits
+for it (``griddepcontrol.wait``, the first statement of every cupy_rope kernel) before it reads
+anything; then it lets the next such launch start. A small launch then costs its own work, not
+its launch latency, in CUDA graphs too. ``CUPY_ROPE_PDL=0`` launches without the attribute
+(``cuLaunchKernel`` through CuPy's binding, ``cupy.cuda.driver.launchKernel``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 from . import _interop, _kernels
@@ -55,6 +62,49 @@ def function(name: str, device: int):
     return hit[1], hit[2]
 
 
+# CUlaunchConfig and CUlaunchAttribute (cuda.h, CUDA 12+; laid out by ctypes as by a C compiler).
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_pdl: dict = {}  # device -> the driver's cuLaunchKernelEx (ctypes), or None: no programmatic launches
+
+
+def _launch_ex():
+    """libcuda's ``cuLaunchKernelEx`` through ctypes, or None where the driver has none."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def pdl_launcher(device: int):
+    """``cuLaunchKernelEx`` when launches on ``device`` are programmatic dependent launches
+    (compute capability >= 9.0, a driver that has it, ``CUPY_ROPE_PDL`` not ``0``); else None."""
+    if device not in _pdl:
+        fn = None
+        switch = os.environ.get("CUPY_ROPE_PDL", "1").strip() or "1"
+        if switch not in ("0", "1"):
+            raise ValueError(f"cupy_rope: environment variable CUPY_ROPE_PDL: expected 0 or 1, got {switch!r}")
+        if switch == "1":
+            import cupy
+
+            if cupy.cuda.Device(device).attributes["ComputeCapabilityMajor"] >= 9:
+                fn = _launch_ex()
+        _pdl[device] = fn
+    return _pdl[device]
+
+
 def sm_count(device: int) -> int:
     n = _sm_count.get(device)
     if n is None:
@@ -69,7 +119,8 @@ class Prepared:
     """A launch kept ready: ``prepared(stream, addresses)`` writes ``addresses`` (in the order of
     ``names``) into their parameter-block slots and launches on ``stream`` (a raw handle)."""
 
-    __slots__ = ("fptr", "ctx", "grid", "block", "buf", "argv", "slots", "device", "lock")
+    __slots__ = ("fptr", "ctx", "grid", "block", "buf", "argv", "slots", "device", "lock", "launch_ex", "config",
+                 "attribute")
 
     def __init__(self, spec, device: int, names):
         gx, gy = spec.grid
@@ -85,24 +136,44 @@ class Prepared:
         self.argv = (ctypes.c_void_p * nblocks)(*(base + i * step for i in range(nblocks)))
         self.slots = tuple(spec.slots.get(n, ()) for n in names)
         self.lock = threading.Lock()
+        self.launch_ex = pdl_launcher(device)
+        self.config = self.attribute = None
+        if self.launch_ex is not None:
+            self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self.config = _LaunchConfig((gx, gy, 1), (spec.block, 1, 1), 0, None, ctypes.pointer(self.attribute), 1)
+
+    @property
+    def pdl(self) -> bool:
+        """Whether this launch is a programmatic dependent launch."""
+        return self.launch_ex is not None
+
+    def _go(self, stream: int) -> None:
+        gx, gy = self.grid
+        if self.launch_ex is None:
+            _driver.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
+            return
+        self.config.stream = stream
+        rc = self.launch_ex(ctypes.addressof(self.config), self.fptr, ctypes.addressof(self.argv), None)
+        if rc:
+            from cupy.cuda.driver import CUDADriverError
+
+            raise CUDADriverError(rc)
 
     def __call__(self, stream: int, addresses) -> None:
-        drv = _driver
         buf = self.buf
-        gx, gy = self.grid
-        if gx == 0:
+        if self.grid[0] == 0:
             return
         with self.lock:  # the buffer is shared: patch and launch as one step (the driver copies it)
             for slots, p in zip(self.slots, addresses):
                 for s in slots:
                     buf[s] = p
-            if drv.ctxGetCurrent() == self.ctx:
-                drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
+            if _driver.ctxGetCurrent() == self.ctx:
+                self._go(stream)
                 return
             import cupy
 
             with cupy.cuda.Device(self.device):  # another device is current: launch in this one's context
-                drv.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
+                self._go(stream)
 
 
 def launch(spec, stream: int, device: int, names=()) -> Prepared | None:

@@ -114,7 +114,7 @@ def mirror(prepared, outputs) -> None:
     outs = []
     for like, shape, transposed, _same, align in outputs:
         outs += [like, int(transposed), align, len(shape), *shape]
-    torch.ops.cupy_rope._ext_put(prepared.fptr, prepared.grid[0], prepared.grid[1], prepared.block,
+    torch.ops.cupy_rope._ext_put(prepared.fptr, prepared.grid[0], prepared.grid[1], prepared.block, prepared.pdl,
                                  list(prepared.buf), [(a - base) // 8 for a in prepared.argv],
                                  [len(s) for s in prepared.slots], [w for s in prepared.slots for w in s], outs)
 

@@ -21,6 +21,7 @@ _MAX_VEC_BYTES = 0
 # cos/sin cache; inverse frequencies stay on the streaming kernel. Fixed like the constants above;
 # tests set it False to run the streaming kernel on every shape.
 _ONE_ROW = True
+_ONE_ROW_THREADS = 2**31  # one-row launches index threads in 32 bits (their fast division)
 _ONE_ROW_KINDS = {_abi.ANGLES: "rope1", _abi.COS_SIN32: "rope1c", _abi.COS_SIN_T: "rope1c"}
 
 
@@ -61,6 +62,17 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
     return n_rot, n_units, tail_w, chunks, per_chunk * chunks
 
 
+def fast_divisor(d: int) -> int:
+    """The kernels' ``fast_div`` constant of divisor ``1 <= d < 2**31``: multiplier ``m`` in the
+    low 32 bits, shift ``s`` above, with ``n // d == (((n * m) >> 32) + n) >> s`` for every
+    ``0 <= n < 2**31`` (s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"cupy_rope: fast divisor out of range: {d}")
+    s = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return m | s << 32
+
+
 def blocks_for(threads: int) -> int:
     return -(-threads // _kernels.BLOCK)
 
@@ -86,7 +98,11 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
-                f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off)
+                f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
+                dv_item=0, dv_unit=0, dv_inner=0)
+    if threads < _ONE_ROW_THREADS:  # the one-row kernels' divisors (32-bit thread indices)
+        vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
+                    dv_inner=fast_divisor(max(n_inner, 1)))
     return vals, blocks_for(threads)
 
 
@@ -108,7 +124,8 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         grid = max(grid, nb)
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     kind = "rope"
-    if _ONE_ROW and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+    if (_ONE_ROW and grid * _kernels.BLOCK <= _ONE_ROW_THREADS
+            and all(b["n_chunks"] >= b["n_heads"] for b in blocks)):
         kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)

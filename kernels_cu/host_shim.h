@@ -41,6 +41,10 @@ static inline float __uint_as_float(unsigned int u) {
   return a;
 }
 
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
+
 // NAME(grid_x, grid_y, block, params): params holds one parameter block per grid row (the pair
 // entry) or one for all rows (the single entry).
 #define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, STEP)                                          \

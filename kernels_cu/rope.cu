@@ -22,6 +22,8 @@ struct RopeParams {
   i64 f_rows, f_srow, f_scol;    // table rows and strides (elements)
   i64 f_kind;                    // what the table holds (TableKind)
   i64 rot_off;                   // first channel of the rotary slice
+  // One-row kernels: n_chunks * n_units, n_units and n_inner as fast divisors (fast_div)
+  i64 dv_item, dv_unit, dv_inner;
   PosArgs pos;
 };
 
@@ -99,7 +101,16 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // streaming kernel.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
-  CUPY_ROPE_THREAD_ITEM(p);
+  // CUPY_ROPE_THREAD_ITEM's decomposition in 32 bits by multiply and shift (the launch layer
+  // runs these kernels only when every thread index is below 2^31): no division instructions
+  // before the first load.
+  const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned tok32 = fast_div(item, p.dv_item);
+  if (tok32 >= p.n_tok) return;
+  const unsigned rest = item - tok32 * (unsigned)(p.n_chunks * p.n_units);
+  const unsigned c32 = fast_div(rest, p.dv_unit), outer32 = fast_div(tok32, p.dv_inner);
+  const i64 c = c32, u = rest - c32 * (unsigned)p.n_units, outer = outer32,
+            inner = tok32 - outer32 * (unsigned)p.n_inner;
   if (c >= p.n_heads) return;  // a tensor without heads (the other of the launch has some)
   i64 cb0, cb1;
   bool pair;

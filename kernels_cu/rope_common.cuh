@@ -208,6 +208,13 @@ __device__ __forceinline__ bool in_table(bool valid, i64 pos, i64 rows) {
   return valid && pos >= 0 && pos < rows;
 }
 
+// n / d for n < 2^31 and a launch-constant divisor 1 <= d < 2^31 given as `magic` = m | s << 32
+// (s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1: cupy_rope/_worksplit.py fast_divisor):
+// one multiply-high, an add and a shift.
+__device__ __forceinline__ unsigned fast_div(unsigned n, i64 magic) {
+  return (__umulhi(n, (unsigned)magic) + n) >> (unsigned)(magic >> 32);
+}
+
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
   if (((unsigned long long)(a | b) >> 32) == 0) {
@@ -539,8 +546,21 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 #define CUPY_QKV_MIN_BLOCKS 3
 #endif
 #ifndef CUPY_ROPE_ENTRY
+// Programmatic dependent launch (sm_90 and later; the launch layer launches with the programmatic
+// stream serialization attribute there, cupy_rope/_launch.py): the kernel may be scheduled while
+// the previous kernel on the stream finishes, so it first waits for that kernel to complete and its
+// memory to be visible, before reading anything; then it lets the next programmatic launch be
+// scheduled (which waits likewise for this one). Launched without the attribute, both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUPY_ROPE_GRID_DEPENDENCY()                   \
+  asm volatile("griddepcontrol.wait;" ::: "memory"); \
+  asm volatile("griddepcontrol.launch_dependents;" :::)
+#else
+#define CUPY_ROPE_GRID_DEPENDENCY()
+#endif
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                        \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS) NAME(const PARAMS p) { \
+    CUPY_ROPE_GRID_DEPENDENCY();                                                                 \
     BODY(p);                                                                                     \
   }
 // Two parameter blocks, one per grid row (blockIdx.y): two tensors (q and k) in one launch.
@@ -548,6 +568,7 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 #define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS)                                   \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS)                      \
       NAME(const PARAMS p0, const PARAMS p1) {                                                   \
+    CUPY_ROPE_GRID_DEPENDENCY();                                                                 \
     if (blockIdx.y == 0) {                                                                       \
       BODY(p0);                                                                                  \
     } else {                                                                                     \

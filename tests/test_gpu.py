@@ -195,6 +195,55 @@ def test_gpu_torch_stream_and_graph():
         torch.testing.assert_close(static_y, cupy_rope.apply_rope(new, f), rtol=0, atol=0)
 
 
+def _chain(x, f, cache, pos, steps):
+    """Each step reads the previous one's output: rope (the kernel for x's shape), a torch kernel,
+    the positions API with a cos/sin cache (one-row kernels at small shapes), its inverse half
+    the time."""
+    import torch
+
+    y = x
+    for i in range(steps):
+        y = cupy_rope.apply_rope(y, f, "bshd")
+        y = y * 1.5 if i % 3 == 0 else y
+        y = cupy_rope.apply_rope_pos(pos, y, None, cos_sin_cache=cache, inverse=bool(i % 2))[0]
+        y = torch.flip(y, dims=(2,)) if i % 4 == 1 else y
+    return y
+
+
+@pytest.mark.parametrize("shape", [(64, 1, 32, 128), (4, 512, 16, 64)], ids=["decode", "prefill"])
+def test_gpu_programmatic_launches_wait_for_the_previous_kernel(shape):
+    """On sm_90 and later every launch is a programmatic dependent launch (it may start while the
+    previous kernel finishes; the kernel waits for it before reading): chains where each call
+    reads the previous call's output, with torch kernels in between, give the sequential
+    results, eagerly and replayed from a CUDA graph with new inputs."""
+    import torch
+
+    from cupy_rope import _launch
+
+    major = torch.cuda.get_device_capability()[0]
+    assert (_launch.pdl_launcher(torch.cuda.current_device()) is not None) == (major >= 9)
+    b, s, h, d = shape
+    x = torch.randn(shape, device="cuda", dtype=torch.float32)
+    f = cupy_rope.rope_freqs(d, s, like=x)
+    cache = cupy_rope.rope_cos_sin_cache(d, 4096, like=x)
+    pos = torch.randint(0, 4096, (b, s), device="cuda")
+    steps = 12
+
+    def ref(x):
+        return _chain(x.cpu(), f.cpu(), cache.cpu(), pos.cpu(), steps)
+
+    torch.testing.assert_close(_chain(x, f, cache, pos, steps).cpu(), ref(x), rtol=1e-4, atol=1e-4)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = _chain(static_x, f, cache, pos, steps)
+    for _ in range(2):
+        new = torch.randn_like(x)
+        static_x.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(static_y.cpu(), ref(new), rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_cupy_stream():
     cp = _cupy()
     x = cp.random.standard_normal((32, 2, 4, 64), dtype=cp.float32)

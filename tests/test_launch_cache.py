@@ -3,6 +3,8 @@ every descriptor and the options with their types, a hit allocates the outputs l
 hands the prepared launch every address in the launch's name order, an output whose alignment
 differs from the cached plan's is a miss."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -142,16 +144,38 @@ def _arrays(rng, shapes):
     return [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
 
 
+class FakeLaunchEx:
+    """Stands in for libcuda's cuLaunchKernelEx: records the launch configuration it was handed
+    (grid, block, stream, attributes) and the first parameter block's address."""
+
+    def __init__(self):
+        self.launched, self.configs = [], []
+
+    def __call__(self, config, fptr, argv, extra):
+        import ctypes
+
+        cfg = _launch._LaunchConfig.from_address(config)
+        attrs = [(cfg.attrs[i].id, cfg.attrs[i].value) for i in range(cfg.num_attrs)]
+        self.configs.append((fptr, tuple(cfg.grid), tuple(cfg.block), cfg.shared_bytes, cfg.stream, attrs, extra))
+        self.launched.append(ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0])
+        return 0
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["cuLaunchKernel", "programmatic"])
 @pytest.mark.parametrize("what", ["rope", "qk", "qkv_fwd", "qkv_bwd"])
-def test_prepared_launch_patches_the_addresses_the_api_passes(monkeypatch, what):
+def test_prepared_launch_patches_the_addresses_the_api_passes(monkeypatch, what, pdl):
     """The address names of each launch (cupy_rope._api) in the order the launch cache passes
     addresses: a launch prepared for one set of arrays, patched with another set's addresses,
-    holds exactly the parameter blocks planned for the other set."""
+    holds exactly the parameter blocks planned for the other set. With programmatic dependent
+    launches (compute capability >= 9.0) the launch goes through cuLaunchKernelEx with the
+    programmatic stream serialization attribute, the planned grid and block, on the given stream."""
     from cupy_rope import _plan, _worksplit
     from cupy_rope._interop import info
 
     monkeypatch.setattr(_launch, "function", lambda name, dev: (111, 222))
-    monkeypatch.setattr(_launch, "_driver", FakeDriver())
+    driver, launch_ex = FakeDriver(), FakeLaunchEx()
+    monkeypatch.setattr(_launch, "_driver", driver)
+    monkeypatch.setattr(_launch, "pdl_launcher", lambda dev: launch_ex if pdl else None)
     rng = np.random.default_rng(0)
     sp = np.array([1, 0], np.int32)
     f = rng.uniform(-3, 3, (12, 32)).astype(np.float32)
@@ -185,5 +209,23 @@ def test_prepared_launch_patches_the_addresses_the_api_passes(monkeypatch, what)
     spec2, _, order2 = plan_and_order(f2, kf2, sp2)
     assert spec1.params != spec2.params
     prepared = _launch.Prepared(spec1, 0, names)
-    prepared(0, [0 if a is None else a.__array_interface__["data"][0] for a in order2])
+    assert prepared.pdl is pdl
+    prepared(0xABC0, [0 if a is None else a.__array_interface__["data"][0] for a in order2])
     assert bytes(prepared.buf) == spec2.params
+    used, unused = (launch_ex, driver) if pdl else (driver, launch_ex)
+    assert used.launched == [ctypes.addressof(prepared.buf)] and unused.launched == []
+    if pdl:
+        gx, gy = spec2.grid
+        assert launch_ex.configs == [(111, (gx, gy, 1), (spec2.block, 1, 1), 0, 0xABC0, [(6, 1)], None)]
+
+
+def test_programmatic_launch_switch(monkeypatch):
+    """``CUPY_ROPE_PDL=0`` launches without the programmatic attribute (decided without a device
+    query); a value other than 0 or 1 is an error naming the variable."""
+    monkeypatch.setattr(_launch, "_pdl", {})
+    monkeypatch.setenv("CUPY_ROPE_PDL", "0")
+    assert _launch.pdl_launcher(0) is None
+    monkeypatch.setattr(_launch, "_pdl", {})
+    monkeypatch.setenv("CUPY_ROPE_PDL", "off")
+    with pytest.raises(ValueError, match="CUPY_ROPE_PDL: expected 0 or 1, got 'off'"):
+        _launch.pdl_launcher(0)

@@ -180,6 +180,43 @@ def test_one_row_kernels_are_bit_identical_to_streaming_kernel(case, monkeypatch
         _same_bits(a, b)
 
 
+def test_fast_divisor_matches_integer_division():
+    """The one-row kernels' thread-index division (multiply-high, add, shift; ``fast_div`` in the
+    CUDA source): exact for every dividend below 2^31 and divisor in [1, 2^31), checked at the
+    edges and at random; other divisors are refused."""
+    rng = np.random.default_rng(7)
+    ds = list(range(1, 600)) + [2**k + e for k in range(1, 31) for e in (-1, 0, 1)]
+    ds += [int(d) for d in rng.integers(1, 2**31, 500)]
+    for d in ds:
+        magic = _worksplit.fast_divisor(d)
+        m, sh = magic & 0xFFFFFFFF, magic >> 32
+        assert m < 2**32 and sh <= 31
+        ns = np.array([0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 1, 2**31 - 1 - (2**31 - 1) % d]
+                      + [int(n) for n in rng.integers(0, 2**31, 64)], dtype=np.int64)
+        ns = ns[(ns >= 0) & (ns < 2**31)]
+        got = (((ns * m) >> 32) + ns) >> sh  # below 2^63: exact in int64
+        np.testing.assert_array_equal(got, ns // d, err_msg=f"divisor {d}")
+    for d in (0, -3, 2**31):
+        with pytest.raises(ValueError, match="fast divisor out of range"):
+            _worksplit.fast_divisor(d)
+
+
+@pytest.mark.parametrize("limit", [2**31, 0])
+def test_one_row_kernels_only_with_31_bit_thread_indices(limit, monkeypatch):
+    """Launches with more threads than the one-row kernels' 32-bit indices allow
+    (``_ONE_ROW_THREADS``, 2^31) run on the streaming kernel, with the same results."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", limit)
+    names, orig = [], hostkernels.launch
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
+    for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:
+        pos, q, k, tables, hs, kind, rows = case.arrays()
+        outs = _run_host(case, pos, q, k, tables, hs)
+        case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
+                   None if k is None else outs[1].reshape(k.shape), hs)
+    assert names and all(n.startswith("rope1") if limit else n.startswith("rope_") for n in names), names
+
+
 @pytest.mark.parametrize("case", CASES[:60], ids=repr)
 def test_in_place(case):
     pos, q, k, tables, hs, kind, rows = case.arrays()

@@ -45,7 +45,7 @@ def test_builds_and_loads_beside_the_cpu_kernels():
         "from cupy_rope import _torch_ext\n"
         "assert crt._EXT and _torch_ext.loaded()\n"
         "assert _torch_ext.info() == dict(hits=0, misses=0, size=0), _torch_ext.info()\n"
-        "torch.ops.cupy_rope._ext_put(1, 1, 1, 32, [0, 0], [0, 1], [1], [0], [])  # no miss pending: ignored\n"
+        "torch.ops.cupy_rope._ext_put(1, 1, 1, 32, False, [0, 0], [0, 1], [1], [0], [])  # no miss pending: ignored\n"
         "assert _torch_ext.info()['size'] == 0\n"
         "f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))\n"
         "x = torch.randn(16, 2, 4, 64)\n"

@@ -5,14 +5,17 @@
 // signature (each tensor's sizes, strides, dtype, device and address mod 16; every other
 // argument's value; for in-place ops the overlap signature) and looks up the launch the Python
 // path prepared for that signature. On a hit: outputs from torch's caching allocator, the addresses written into a copy of the
-// prepared parameter blocks, cuLaunchKernel on torch's current stream. Nothing else: no
+// prepared parameter blocks, cuLaunchKernel (cuLaunchKernelEx with the programmatic stream
+// serialization attribute where the Python path's launch is a programmatic dependent launch,
+// cupy_rope/_launch.py) on torch's current stream. Nothing else: no
 // validation (the Python path validated this exact signature), no Python, no synchronisation.
 // On a miss (or in debug mode) it runs the Python op ``cupy_rope::_py_<op>`` on the same stack:
 // validation, plan, compile and launch in Python, which hands its prepared launch back through
 // ``cupy_rope::_ext_put`` for the next call with this signature.
 //
-// No CUDA headers: cuLaunchKernel is looked up in libcuda when first needed, torch's current
-// stream comes from c10's device-generic stream interface.
+// No CUDA headers: cuLaunchKernel and cuLaunchKernelEx are looked up in libcuda when first needed
+// (their structs declared here as cuda.h lays them out), torch's current stream comes from c10's
+// device-generic stream interface.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -36,14 +39,40 @@ namespace {
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                          void*, void**, void**);
 
+// CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12+).
+struct LaunchAttribute {
+  int id;
+  char pad[4];
+  union {
+    int value;
+    char raw[64];
+  };
+};
+struct LaunchConfig {
+  unsigned grid[3], block[3], shared_bytes;
+  void* stream;
+  LaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h launch structs");
+constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+using LaunchExFn = int (*)(const LaunchConfig*, void*, void**, void**);
+
+void* libcuda_symbol(const char* name) {
+  static void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  TORCH_CHECK(h != nullptr, "cupy_rope: cannot open libcuda.so.1");
+  void* f = dlsym(h, name);
+  TORCH_CHECK(f != nullptr, "cupy_rope: libcuda has no ", name);
+  return f;
+}
+
 LaunchFn launch_fn() {
-  static LaunchFn fn = [] {
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    TORCH_CHECK(h != nullptr, "cupy_rope: cannot open libcuda.so.1");
-    auto f = reinterpret_cast<LaunchFn>(dlsym(h, "cuLaunchKernel"));
-    TORCH_CHECK(f != nullptr, "cupy_rope: libcuda has no cuLaunchKernel");
-    return f;
-  }();
+  static LaunchFn fn = reinterpret_cast<LaunchFn>(libcuda_symbol("cuLaunchKernel"));
+  return fn;
+}
+
+LaunchExFn launch_ex_fn() {
+  static LaunchExFn fn = reinterpret_cast<LaunchExFn>(libcuda_symbol("cuLaunchKernelEx"));
   return fn;
 }
 
@@ -60,6 +89,7 @@ struct Out {
 struct Entry {
   void* fn;
   unsigned gx, gy, block;
+  bool pdl;                                  // a programmatic dependent launch (cuLaunchKernelEx)
   std::vector<int64_t> params;               // the packed parameter blocks, 64-bit words
   std::vector<int64_t> blocks;               // word offset of each parameter block
   std::vector<std::vector<int64_t>> slots;   // per address (in launch order): its words
@@ -241,8 +271,17 @@ bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& 
   for (size_t i = 0; i < e.blocks.size(); ++i) argv[i] = params.data() + e.blocks[i];
   c10::DeviceGuard guard(lead.device());
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(lead.device()).native_handle();
-  int rc = launch_fn()(e.fn, e.gx, e.gy, 1, e.block, 1, 1, 0, stream, argv, nullptr);
-  TORCH_CHECK(rc == 0, "cupy_rope: cuLaunchKernel failed with CUresult ", rc);
+  int rc;
+  if (e.pdl) {
+    LaunchAttribute attr{};
+    attr.id = kProgrammaticStreamSerialization;
+    attr.value = 1;
+    const LaunchConfig cfg{{e.gx, e.gy, 1}, {e.block, 1, 1}, 0, stream, &attr, 1};
+    rc = launch_ex_fn()(&cfg, e.fn, argv, nullptr);
+  } else {
+    rc = launch_fn()(e.fn, e.gx, e.gy, 1, e.block, 1, 1, 0, stream, argv, nullptr);
+  }
+  TORCH_CHECK(rc == 0, "cupy_rope: kernel launch failed with CUresult ", rc);
   torch::jit::drop(*stack, nargs);
   switch (f) {
     case ROPE: torch::jit::push(*stack, std::move(outs[0])); break;
@@ -285,7 +324,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 }
 
 // Called by the Python path (while it resolves a miss of this thread) with its prepared launch.
-void ext_put(int64_t fn, int64_t gx, int64_t gy, int64_t block, c10::ArrayRef<int64_t> params,
+void ext_put(int64_t fn, int64_t gx, int64_t gy, int64_t block, bool pdl, c10::ArrayRef<int64_t> params,
              c10::ArrayRef<int64_t> blocks, c10::ArrayRef<int64_t> slot_counts,
              c10::ArrayRef<int64_t> slot_words, c10::ArrayRef<int64_t> outs) {
   if (pending == nullptr) return;
@@ -295,6 +334,7 @@ void ext_put(int64_t fn, int64_t gx, int64_t gy, int64_t block, c10::ArrayRef<in
   e->gx = static_cast<unsigned>(gx);
   e->gy = static_cast<unsigned>(gy);
   e->block = static_cast<unsigned>(block);
+  e->pdl = pdl;
   e->params.assign(params.begin(), params.end());
   e->blocks.assign(blocks.begin(), blocks.end());
   size_t w = 0;
@@ -330,7 +370,7 @@ std::vector<int64_t> ext_info() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cupy_rope, m) {
-  m.def("_ext_put(int fn, int gx, int gy, int block, int[] params, int[] blocks, int[] slot_counts, "
+  m.def("_ext_put(int fn, int gx, int gy, int block, bool pdl, int[] params, int[] blocks, int[] slot_counts, "
         "int[] slot_words, int[] outs) -> ()", &ext_put);
   m.def("_ext_set_enabled(bool on) -> ()", &ext_set_enabled);
   m.def("_ext_info() -> int[]", &ext_info);
