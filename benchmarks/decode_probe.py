@@ -166,13 +166,13 @@ _ENTRY = r"""
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p0, const PARAMS p1) { \
     %(pre)s %(body)s }
 """
-_VARIANTS = {
-    "pair": dict(pre="", body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
-    "pair, PDL wait only": dict(pre='asm volatile("griddepcontrol.wait;" ::: "memory");',
-                                body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
-    "pair, PDL": dict(pre=_PDL_ENTER, body="if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"),
-    "single body": dict(pre="", body="BODY(blockIdx.y == 0 ? p0 : p1);"),
-    "single body, PDL": dict(pre=_PDL_ENTER, body="BODY(blockIdx.y == 0 ? p0 : p1);"),
+_PAIR = "if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"
+_VARIANTS = {  # label: entry-point parts; launched with the PDL attribute when the label says so
+    "launched without PDL": dict(pre="", body=_PAIR),
+    "PDL (the library's)": dict(pre="", body=_PAIR),  # the body waits after its index arithmetic
+    "PDL, waiting at entry": dict(pre=_PDL_ENTER, body=_PAIR),
+    "PDL, waiting at entry, no early trigger": dict(pre='asm volatile("griddepcontrol.wait;" ::: "memory");',
+                                                    body=_PAIR),
 }
 
 
@@ -188,7 +188,8 @@ def variant_launchers(prep, name):
         src = _ENTRY % parts + _kernels.source_for([name])
         k = cupy.RawModule(code=src, options=_launch._options()).get_function(name)
         fptr = getattr(k, "kernel", k).ptr
-        out.append((label, launcher_ex(fptr, prep.grid, prep.block, None, "PDL" in label, argv=prep.argv), k))
+        pdl = "PDL" in label and "without" not in label
+        out.append((label, launcher_ex(fptr, prep.grid, prep.block, None, pdl, argv=prep.argv), k))
     return out
 
 

@@ -80,6 +80,7 @@ __device__ __forceinline__ void qkv_body(const QkvParams& p) {
   divmod(rest, p.n_chunks * p.n_units, grp, r2);
   divmod(r2, p.n_units, c, u);
   divmod(tok, p.n_inner, outer, inner);
+  await_previous_grid();
 
   const i64 n = p.n_q, C = p.n_chunks;
   const int cnt = (int)((n + 2 - c + C - 1) / C);

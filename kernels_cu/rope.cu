@@ -64,6 +64,7 @@ template <typename T> struct HeadRows {
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rope_body(const RopeParams& p) {
   CUPY_ROPE_THREAD_ITEM(p);
+  await_previous_grid();
 
   const i64 C = p.n_chunks;
   const int cnt = (int)((p.n_heads - c + C - 1) / C);
@@ -118,6 +119,7 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   const i64 r0 = row_channel(cb0, p.d2, p.rot_off), dr = row_channel(cb1, p.d2, p.rot_off) - r0;
   const T* x = reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + r0 * p.xsd;
   T* y = reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + r0 * p.ysd;
+  await_previous_grid();
   Vec<T, V> a = load_vec<T, V>(x), b;
   if (pair) b = load_vec<T, V>(x + dr * p.xsd);
   i64 pos = 0;

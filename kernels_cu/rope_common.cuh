@@ -215,6 +215,19 @@ __device__ __forceinline__ unsigned fast_div(unsigned n, i64 magic) {
   return (__umulhi(n, (unsigned)magic) + n) >> (unsigned)(magic >> 32);
 }
 
+// Programmatic dependent launch (sm_90 and later; the launch layer launches with the programmatic
+// stream serialization attribute there, cupy_rope/_launch.py): the kernel may be scheduled while
+// the previous kernel on the stream finishes. Every kernel body calls this after the index
+// arithmetic on its parameters and before its first global memory access: it waits for the
+// previous kernel to complete and its memory to be visible, then lets the next programmatic launch
+// be scheduled (which waits likewise for this one). Launched without the attribute: no-ops.
+__device__ __forceinline__ void await_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
   if (((unsigned long long)(a | b) >> 32) == 0) {
@@ -546,21 +559,8 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 #define CUPY_QKV_MIN_BLOCKS 3
 #endif
 #ifndef CUPY_ROPE_ENTRY
-// Programmatic dependent launch (sm_90 and later; the launch layer launches with the programmatic
-// stream serialization attribute there, cupy_rope/_launch.py): the kernel may be scheduled while
-// the previous kernel on the stream finishes, so it first waits for that kernel to complete and its
-// memory to be visible, before reading anything; then it lets the next programmatic launch be
-// scheduled (which waits likewise for this one). Launched without the attribute, both are no-ops.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define CUPY_ROPE_GRID_DEPENDENCY()                   \
-  asm volatile("griddepcontrol.wait;" ::: "memory"); \
-  asm volatile("griddepcontrol.launch_dependents;" :::)
-#else
-#define CUPY_ROPE_GRID_DEPENDENCY()
-#endif
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                        \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS) NAME(const PARAMS p) { \
-    CUPY_ROPE_GRID_DEPENDENCY();                                                                 \
     BODY(p);                                                                                     \
   }
 // Two parameter blocks, one per grid row (blockIdx.y): two tensors (q and k) in one launch.
@@ -568,7 +568,6 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 #define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS)                                   \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS)                      \
       NAME(const PARAMS p0, const PARAMS p1) {                                                   \
-    CUPY_ROPE_GRID_DEPENDENCY();                                                                 \
     if (blockIdx.y == 0) {                                                                       \
       BODY(p0);                                                                                  \
     } else {                                                                                     \
