@@ -197,8 +197,8 @@ def test_gpu_torch_stream_and_graph():
 
 def _chain(x, f, cache, pos, steps):
     """Each step reads the previous one's output: rope (the kernel for x's shape), a torch kernel,
-    the positions API with a cos/sin cache (one-row kernels at small shapes), its inverse half
-    the time."""
+    the positions API with a cos/sin cache (one-row kernels at small shapes; its inverse half the
+    time), every fourth step the packed-QKV kernel."""
     import torch
 
     y = x
@@ -207,6 +207,11 @@ def _chain(x, f, cache, pos, steps):
         y = y * 1.5 if i % 3 == 0 else y
         y = cupy_rope.apply_rope_pos(pos, y, None, cos_sin_cache=cache, inverse=bool(i % 2))[0]
         y = torch.flip(y, dims=(2,)) if i % 4 == 1 else y
+        if i % 4 == 3:  # the packed-QKV kernel on the previous output (4 groups of 2 q, 1 k, 1 v head)
+            g = y.shape[2] // 4
+            q, k, v = cupy_rope.apply_qkv_rope(y.reshape(*y.shape[:2], g, 4 * y.shape[3]), f, f, layout="bshd",
+                                               num_q_heads=2 * g)
+            y = torch.cat([q, k, v], dim=2)
     return y
 
 
