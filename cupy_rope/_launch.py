@@ -99,7 +99,7 @@ def pdl_launcher(device: int):
         if switch == "1":
             import cupy
 
-            if cupy.cuda.Device(device).attributes["ComputeCapabilityMajor"] >= 9:
+            if int(cupy.cuda.Device(device).compute_capability) >= 90:
                 fn = _launch_ex()
         _pdl[device] = fn
     return _pdl[device]

@@ -63,10 +63,10 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
 
 
 def fast_divisor(d: int) -> int:
-    """The kernels' ``fast_div`` constant of divisor ``1 <= d < 2**31``: multiplier ``m`` in the
+    """The kernels' ``fast_div`` constant of divisor ``1 <= d <= 2**31``: multiplier ``m`` in the
     low 32 bits, shift ``s`` above, with ``n // d == (((n * m) >> 32) + n) >> s`` for every
     ``0 <= n < 2**31`` (s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1)."""
-    if not 1 <= d < 2**31:
+    if not 1 <= d <= 2**31:
         raise ValueError(f"cupy_rope: fast divisor out of range: {d}")
     s = (d - 1).bit_length()
     m = ((1 << 32) * ((1 << s) - d)) // d + 1
@@ -75,6 +75,12 @@ def fast_divisor(d: int) -> int:
 
 def blocks_for(threads: int) -> int:
     return -(-threads // _kernels.BLOCK)
+
+
+def one_row_indices(grid: int) -> bool:
+    """Whether every thread index of a launch of ``grid`` blocks fits the one-row kernels' 32-bit
+    index arithmetic (below ``_ONE_ROW_THREADS``)."""
+    return grid * _kernels.BLOCK <= _ONE_ROW_THREADS
 
 
 def _vec_arrays(*arrays):
@@ -100,7 +106,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
                 dv_item=0, dv_unit=0, dv_inner=0)
-    if threads < _ONE_ROW_THREADS:  # the one-row kernels' divisors (32-bit thread indices)
+    if one_row_indices(blocks_for(threads)):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))
     return vals, blocks_for(threads)
@@ -124,8 +130,7 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         grid = max(grid, nb)
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     kind = "rope"
-    if (_ONE_ROW and grid * _kernels.BLOCK <= _ONE_ROW_THREADS
-            and all(b["n_chunks"] >= b["n_heads"] for b in blocks)):
+    if _ONE_ROW and one_row_indices(grid) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
         kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)

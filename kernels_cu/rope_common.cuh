@@ -208,7 +208,7 @@ __device__ __forceinline__ bool in_table(bool valid, i64 pos, i64 rows) {
   return valid && pos >= 0 && pos < rows;
 }
 
-// n / d for n < 2^31 and a launch-constant divisor 1 <= d < 2^31 given as `magic` = m | s << 32
+// n / d for n < 2^31 and a launch-constant divisor 1 <= d <= 2^31 given as `magic` = m | s << 32
 // (s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1: cupy_rope/_worksplit.py fast_divisor):
 // one multiply-high, an add and a shift.
 __device__ __forceinline__ unsigned fast_div(unsigned n, i64 magic) {

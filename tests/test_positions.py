@@ -11,7 +11,7 @@ import pytest
 import cupy_rope
 import cupy_rope.flashinfer as cfi
 import cupy_rope.vllm as crv
-from cupy_rope import _interop, _plan, _worksplit
+from cupy_rope import _interop, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels
 from reference import NP_DTYPES, assert_close_to_ref
 from cupy_rope.testing import rope_pos_ref
@@ -182,10 +182,10 @@ def test_one_row_kernels_are_bit_identical_to_streaming_kernel(case, monkeypatch
 
 def test_fast_divisor_matches_integer_division():
     """The one-row kernels' thread-index division (multiply-high, add, shift; ``fast_div`` in the
-    CUDA source): exact for every dividend below 2^31 and divisor in [1, 2^31), checked at the
+    CUDA source): exact for every dividend below 2^31 and divisor in [1, 2^31], checked at the
     edges and at random; other divisors are refused."""
     rng = np.random.default_rng(7)
-    ds = list(range(1, 600)) + [2**k + e for k in range(1, 31) for e in (-1, 0, 1)]
+    ds = list(range(1, 600)) + [2**k + e for k in range(1, 32) for e in (-1, 0, 1) if 2**k + e <= 2**31]
     ds += [int(d) for d in rng.integers(1, 2**31, 500)]
     for d in ds:
         magic = _worksplit.fast_divisor(d)
@@ -196,25 +196,33 @@ def test_fast_divisor_matches_integer_division():
         ns = ns[(ns >= 0) & (ns < 2**31)]
         got = (((ns * m) >> 32) + ns) >> sh  # below 2^63: exact in int64
         np.testing.assert_array_equal(got, ns // d, err_msg=f"divisor {d}")
-    for d in (0, -3, 2**31):
+    for d in (0, -3, 2**31 + 1):
         with pytest.raises(ValueError, match="fast divisor out of range"):
             _worksplit.fast_divisor(d)
 
 
-@pytest.mark.parametrize("limit", [2**31, 0])
-def test_one_row_kernels_only_with_31_bit_thread_indices(limit, monkeypatch):
-    """Launches with more threads than the one-row kernels' 32-bit indices allow
-    (``_ONE_ROW_THREADS``, 2^31) run on the streaming kernel, with the same results."""
+@pytest.mark.parametrize("margin", [0, -1], ids=["at_the_limit", "past_the_limit"])
+def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
+    """Launches whose thread indices reach ``_ONE_ROW_THREADS`` (2^31: the one-row kernels' 32-bit
+    index arithmetic) run on the streaming kernel, with the same results; a launch exactly at
+    the limit still runs the one-row kernel (limit lowered to each case's launch size)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
-    monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", limit)
     names, orig = [], hostkernels.launch
-    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0])) or orig(name, *a))
     for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:
         pos, q, k, tables, hs, kind, rows = case.arrays()
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", 2**31)
+        del names[:]
+        _run_host(case, pos, q, k, tables, hs)
+        (name, grid), = names
+        assert name.startswith("rope1"), name
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", grid[0] * _kernels.BLOCK + margin)
+        del names[:]
         outs = _run_host(case, pos, q, k, tables, hs)
         case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
                    None if k is None else outs[1].reshape(k.shape), hs)
-    assert names and all(n.startswith("rope1") if limit else n.startswith("rope_") for n in names), names
+        (name, _), = names
+        assert name.startswith("rope1" if margin == 0 else "rope_"), (margin, name)
 
 
 @pytest.mark.parametrize("case", CASES[:60], ids=repr)
