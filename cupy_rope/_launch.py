@@ -119,8 +119,8 @@ class Prepared:
     """A launch kept ready: ``prepared(stream, addresses)`` writes ``addresses`` (in the order of
     ``names``) into their parameter-block slots and launches on ``stream`` (a raw handle)."""
 
-    __slots__ = ("fptr", "ctx", "grid", "block", "buf", "argv", "slots", "device", "lock", "launch_ex", "config",
-                 "attribute")
+    __slots__ = ("fptr", "ctx", "grid", "block", "buf", "argv", "argv_addr", "slots", "device", "lock", "launch_ex",
+                 "config", "config_addr", "attribute")
 
     def __init__(self, spec, device: int, names):
         gx, gy = spec.grid
@@ -134,13 +134,15 @@ class Prepared:
         nblocks = _kernels.param_blocks(spec.name)
         base, step = ctypes.addressof(self.buf), len(spec.params) // nblocks
         self.argv = (ctypes.c_void_p * nblocks)(*(base + i * step for i in range(nblocks)))
+        self.argv_addr = ctypes.addressof(self.argv)
         self.slots = tuple(spec.slots.get(n, ()) for n in names)
         self.lock = threading.Lock()
         self.launch_ex = pdl_launcher(device)
-        self.config = self.attribute = None
+        self.config = self.attribute = self.config_addr = None
         if self.launch_ex is not None:
             self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
             self.config = _LaunchConfig((gx, gy, 1), (spec.block, 1, 1), 0, None, ctypes.pointer(self.attribute), 1)
+            self.config_addr = ctypes.addressof(self.config)
 
     @property
     def pdl(self) -> bool:
@@ -148,12 +150,12 @@ class Prepared:
         return self.launch_ex is not None
 
     def _go(self, stream: int) -> None:
-        gx, gy = self.grid
         if self.launch_ex is None:
-            _driver.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, ctypes.addressof(self.argv), 0)
+            gx, gy = self.grid
+            _driver.launchKernel(self.fptr, gx, gy, 1, self.block, 1, 1, 0, stream, self.argv_addr, 0)
             return
         self.config.stream = stream
-        rc = self.launch_ex(ctypes.addressof(self.config), self.fptr, ctypes.addressof(self.argv), None)
+        rc = self.launch_ex(self.config_addr, self.fptr, self.argv_addr, None)
         if rc:
             from cupy.cuda.driver import CUDADriverError
 
