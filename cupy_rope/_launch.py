@@ -10,8 +10,9 @@ repeated call only writes its addresses into their slots and launches.
 On devices of compute capability 9.0 and later the launch is a programmatic dependent launch
 (``cuLaunchKernelEx`` with the programmatic stream serialization attribute, called through
 ctypes): the kernel may be scheduled while the previous kernel on the stream finishes, and waits
-for it (``griddepcontrol.wait``, the first statement of every cupy_rope kernel) before it reads
-anything; then it lets the next such launch start. A small launch then costs its own work, not
+for it (``griddepcontrol.wait``, which every cupy_rope kernel runs after its index arithmetic and
+before its first global memory access) before it reads anything; then it lets the next such
+launch start. A small launch then costs its own work, not
 its launch latency, in CUDA graphs too. ``CUPY_ROPE_PDL=0`` launches without the attribute
 (``cuLaunchKernel`` through CuPy's binding, ``cupy.cuda.driver.launchKernel``).
 """

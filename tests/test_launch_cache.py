@@ -152,8 +152,6 @@ class FakeLaunchEx:
         self.launched, self.configs = [], []
 
     def __call__(self, config, fptr, argv, extra):
-        import ctypes
-
         cfg = _launch._LaunchConfig.from_address(config)
         attrs = [(cfg.attrs[i].id, cfg.attrs[i].value) for i in range(cfg.num_attrs)]
         self.configs.append((fptr, tuple(cfg.grid), tuple(cfg.block), cfg.shared_bytes, cfg.stream, attrs, extra))
