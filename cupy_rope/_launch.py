@@ -1,5 +1,5 @@
-"""Compile and launch: NVRTC through CuPy ``RawModule``, launches through ``cuLaunchKernel``,
-and the launch cache of the public API.
+"""Compile and launch: NVRTC through CuPy ``RawModule``, launches through ``cuLaunchKernelEx`` or
+``cuLaunchKernel``, and the launch cache of the public API.
 
 Each kernel instantiation is compiled on first use (one small module per kernel, so the first
 call compiles one kernel, not all of them) and cached per device by CuPy (memory and disk).
@@ -11,10 +11,10 @@ On devices of compute capability 9.0 and later the launch is a programmatic depe
 (``cuLaunchKernelEx`` with the programmatic stream serialization attribute, called through
 ctypes): the kernel may be scheduled while the previous kernel on the stream finishes, and waits
 for it (``griddepcontrol.wait``, which every cupy_rope kernel runs after its index arithmetic and
-before its first global memory access) before it reads anything; then it lets the next such
-launch start. A small launch then costs its own work, not
-its launch latency, in CUDA graphs too. ``CUPY_ROPE_PDL=0`` launches without the attribute
-(``cuLaunchKernel`` through CuPy's binding, ``cupy.cuda.driver.launchKernel``).
+before its first global memory access); then it lets the next such launch start. A small
+launch's latency then overlaps the previous kernel, in CUDA graphs too. ``CUPY_ROPE_PDL=0``
+launches without the attribute (``cuLaunchKernel`` through CuPy's binding,
+``cupy.cuda.driver.launchKernel``).
 """
 
 from __future__ import annotations
