@@ -91,7 +91,8 @@ def _launch_ex():
 
 def pdl_launcher(device: int):
     """``cuLaunchKernelEx`` when launches on ``device`` are programmatic dependent launches
-    (compute capability >= 9.0, a driver that has it, ``CUPY_ROPE_PDL`` not ``0``); else None."""
+    (compute capability >= 9.0, a CUDA 12.3+ driver: programmatic launches in stream capture,
+    ``CUPY_ROPE_PDL`` not ``0``); else None."""
     if device not in _pdl:
         fn = None
         switch = os.environ.get("CUPY_ROPE_PDL", "1").strip() or "1"
@@ -100,7 +101,8 @@ def pdl_launcher(device: int):
         if switch == "1":
             import cupy
 
-            if int(cupy.cuda.Device(device).compute_capability) >= 90:
+            if (int(cupy.cuda.Device(device).compute_capability) >= 90
+                    and cupy.cuda.runtime.driverGetVersion() >= 12030):
                 fn = _launch_ex()
         _pdl[device] = fn
     return _pdl[device]
