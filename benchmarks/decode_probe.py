@@ -124,33 +124,22 @@ DEC_KERNEL(dec_fast, float, (body<1, 1>))
 """
 
 
-class _LaunchAttr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("nattrs", ctypes.c_uint)]
-
-
 def launcher_ex(fptr, grid, block, args, pdl, argv=None):
     """A ``cuLaunchKernelEx`` launch of ``fptr`` with ctypes ``args`` (or the prepared kernel
-    parameter array ``argv``), with the programmatic stream serialization attribute when ``pdl``:
-    ``launch(stream)``."""
+    parameter array ``argv``), with the programmatic stream serialization attribute when ``pdl``
+    (the launch layer's structs and driver entry, ``cupy_rope._launch``): ``launch(stream)``."""
+    from cupy_rope import _launch
+
     gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuLaunchKernelEx
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    attr = _LaunchAttr(id=6)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttr.value.offset, (ctypes.c_int * 1)(1), 4)
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(gx, gy, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, None,
-                        ctypes.pointer(attr), 1 if pdl else 0)
+    fn = _launch._launch_ex()
+    attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = _launch._LaunchConfig((gx, gy, 1), (block, 1, 1), 0, None, ctypes.pointer(attr), 1 if pdl else 0)
     if argv is None:
         argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
 
     def launch(stream, cfg=cfg, argv=argv, keep=(attr, args)):
         cfg.stream = stream
-        rc = fn(ctypes.byref(cfg), fptr, argv, None)
+        rc = fn(ctypes.addressof(cfg), fptr, ctypes.addressof(argv), None)
         if rc:
             raise RuntimeError(f"cuLaunchKernelEx: CUresult {rc}")
     return launch
@@ -158,7 +147,7 @@ def launcher_ex(fptr, grid, block, args, pdl, argv=None):
 
 # Variants of the library's kernels, compiled from its source with other entry-point macros (the
 # source's CUPY_ROPE_ENTRY / CUPY_ROPE_ENTRY_PAIR are defined only when not defined before it).
-_PDL_ENTER = 'asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" :::);'
+_PDL_ENTER = "cupy_rope::await_previous_grid();"  # the library's wait + trigger, here at entry
 _ENTRY = r"""
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) \
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p) { %(pre)s BODY(p); }

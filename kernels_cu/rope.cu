@@ -49,21 +49,14 @@ template <typename T> struct HeadRows {
   }
 };
 
-// A rope thread's work item, declared in the kernel body: token tok = (outer, inner), head chunk
-// c, unit u; a thread past the last token returns. A macro, not a function: the streaming
-// kernel's machine code is the measured one only with these statements inline in its body (a
-// helper function changed it in 25 of its 44 instantiations, NVRTC sm_90).
-#define CUPY_ROPE_THREAD_ITEM(p)                                  \
-  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;   \
-  i64 tok, rest, c, u, outer, inner;                             \
-  divmod(item, (p).n_chunks * (p).n_units, tok, rest);           \
-  if (tok >= (p).n_tok) return;                                  \
-  divmod(rest, (p).n_units, c, u);                               \
-  divmod(tok, (p).n_inner, outer, inner)
-
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rope_body(const RopeParams& p) {
-  CUPY_ROPE_THREAD_ITEM(p);
+  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  i64 tok, rest, c, u, outer, inner;
+  divmod(item, p.n_chunks * p.n_units, tok, rest);
+  if (tok >= p.n_tok) return;
+  divmod(rest, p.n_units, c, u);
+  divmod(tok, p.n_inner, outer, inner);
   await_previous_grid();
 
   const i64 C = p.n_chunks;
@@ -102,9 +95,8 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // streaming kernel.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
-  // CUPY_ROPE_THREAD_ITEM's decomposition in 32 bits by multiply and shift (the launch layer
-  // runs these kernels only when every thread index is below 2^31): no division instructions
-  // before the first load.
+  // rope_body's (tok, c, u, outer, inner) in 32 bits by multiply and shift (the launch layer runs
+  // these kernels only when every thread index is below 2^31): no division before the first load.
   const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned tok32 = fast_div(item, p.dv_item);
   if (tok32 >= p.n_tok) return;
