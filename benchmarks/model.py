@@ -405,15 +405,20 @@ def percall_rows(profile=None):
         _wall_us(lambda: jchain_f(xj), jax.block_until_ready, calls=50) / n)
     from cupy_rope import _xla
 
-    _xla.COMMAND_BUFFERS = False  # the same callbacks, not marked command-buffer compatible
+    launch_way = "FFI handler" if _xla.ffi_library() is not None else "callback (the FFI handler did not build)"
+    rows[-2]["note"] = rows[-1]["note"] = launch_way
+    _xla.FFI = False  # the same ops through buffer callbacks: command-buffer compatible, then plain
     try:
-        one_p = jax.jit(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1)
-        jchain_p = jax.jit(chain(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1))
-        add("jax: one jitted call, plain callback", _wall_us(lambda: one_p(xj), jax.block_until_ready))
-        add(f"jax: per op inside a jitted chain of {n}, plain callback",
-            _wall_us(lambda: jchain_p(xj), jax.block_until_ready, calls=50) / n)
+        for cb in (True, False):
+            _xla.COMMAND_BUFFERS = cb
+            what = "command-buffer callback" if cb else "plain callback"
+            one_p = jax.jit(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1)
+            jchain_p = jax.jit(chain(lambda t: crj.apply_rope(t, fj, start_positions=spj) * 1))
+            add(f"jax: one jitted call, {what}", _wall_us(lambda: one_p(xj), jax.block_until_ready))
+            add(f"jax: per op inside a jitted chain of {n}, {what}",
+                _wall_us(lambda: jchain_p(xj), jax.block_until_ready, calls=50) / n)
     finally:
-        _xla.COMMAND_BUFFERS = True
+        _xla.FFI, _xla.COMMAND_BUFFERS = True, True
     if profile:
         _profile(profile, {"torch crt.apply_rope": lambda: crt.apply_rope(x, f, start_positions=sp),
                            "cupy apply_rope": lambda: cupy_rope.apply_rope(xc, fc, start_positions=spc),

@@ -24,6 +24,16 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
+def mode(env: str) -> str:
+    """An optional C++ path's switch, environment variable ``env``: ``auto`` (default: built and
+    used where it can be, else a warning and the Python path), ``1`` (required: a failed build
+    raises) or ``0`` (never)."""
+    m = os.environ.get(env, "auto").strip().lower() or "auto"
+    if m not in ("auto", "0", "1"):
+        raise ValueError(f"cupy_rope: environment variable {env}: expected auto, 0 or 1, got {m!r}")
+    return m
+
+
 def cache_dir() -> Path:
     """Where built libraries are kept (created on first use)."""
     env = os.environ.get("CUPY_ROPE_HOST_CACHE")

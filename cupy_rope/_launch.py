@@ -118,6 +118,14 @@ def sm_count(device: int) -> int:
     return n
 
 
+def check_grid(spec) -> tuple:
+    """``spec``'s grid, which one launch must be able to run."""
+    gx, gy = spec.grid
+    if gx >= 2**31:
+        raise ValueError(f"cupy_rope: problem too large for one launch ({gx} blocks)")
+    return gx, gy
+
+
 class Prepared:
     """A launch kept ready: ``prepared(stream, addresses)`` writes ``addresses`` (in the order of
     ``names``) into their parameter-block slots and launches on ``stream`` (a raw handle)."""
@@ -126,9 +134,7 @@ class Prepared:
                  "config", "config_addr", "attribute")
 
     def __init__(self, spec, device: int, names):
-        gx, gy = spec.grid
-        if gx >= 2**31:
-            raise ValueError(f"cupy_rope: problem too large for one launch ({gx} blocks)")
+        gx, gy = check_grid(spec)
         _drv()
         self.fptr, self.ctx = function(spec.name, device)
         self.grid, self.block, self.device = (gx, gy), spec.block, device

@@ -15,7 +15,6 @@ the build tools are present; otherwise, or if the build fails, a warning and the
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import warnings
@@ -26,15 +25,13 @@ import torch
 from . import _cxx, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "torch_launch.cpp"
+HEADERS = (SOURCE.parent / "cuda_launch.h",)
 _state = threading.local()  # .on: this thread resolves a miss of the C++ path
 _LOADED: list = []
 
 
 def mode() -> str:
-    m = os.environ.get("CUPY_ROPE_TORCH_EXT", "auto").strip().lower() or "auto"
-    if m not in ("auto", "0", "1"):
-        raise ValueError(f"cupy_rope: environment variable CUPY_ROPE_TORCH_EXT: expected auto, 0 or 1, got {m!r}")
-    return m
+    return _cxx.mode("CUPY_ROPE_TORCH_EXT")
 
 
 def missing_tools() -> str:
@@ -52,12 +49,12 @@ def build() -> str:
     if missing_tools():
         raise RuntimeError(f"cupy_rope: cannot build the C++ launch path: {missing_tools()}")
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    common = ["-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    common = ["-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{SOURCE.parent}",
               *[f"-isystem{p}" for p in cpp_extension.include_paths()]]
     ldflags = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
     # recent torch headers need C++20, older ones accept C++17
     path = _cxx.shared_library("torch_launch_" + re.sub(r"\W", "_", torch.__version__), SOURCE.read_text(),
-                               [["-std=c++20", *common], ["-std=c++17", *common]], ldflags=ldflags,
+                               [["-std=c++20", *common], ["-std=c++17", *common]], files=HEADERS, ldflags=ldflags,
                                announce="cupy_rope.torch: building the C++ launch path (once per version, "
                                         "10-60 s; CUPY_ROPE_TORCH_EXT=0 skips it)")
     torch.ops.load_library(str(path))

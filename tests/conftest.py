@@ -30,3 +30,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["ffi", "callback"])
+def xla_launch(request, monkeypatch):
+    """Run a JAX GPU test once per XLA launch way (cupy_rope/_xla.py): the FFI handler and the
+    buffer callback; the FFI handler must build wherever there is a C++ compiler."""
+    import jax
+
+    from cupy_rope import _cxx, _xla
+
+    if request.param == "ffi" and _xla.ffi_library() is None:
+        assert _cxx.compiler() is None, "the XLA launch handler did not build"
+        pytest.skip("no C++ compiler: no FFI handler")
+    monkeypatch.setattr(_xla, "FFI", request.param == "ffi")
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()

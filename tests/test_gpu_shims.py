@@ -64,7 +64,7 @@ def test_torch_op_in_cuda_graph_with_backward():
     torch.testing.assert_close(y, crt.apply_rope(x.detach(), f), rtol=0, atol=0)
 
 
-def test_jax_gpu_jit_grad_vmap():
+def test_jax_gpu_jit_grad_vmap(xla_launch):
     import jax
     import jax.numpy as jnp
 
@@ -104,6 +104,18 @@ def test_jax_gpu_jit_grad_vmap():
     dq, dk, dv = qkv_split_ref(np.asarray(gq), 4, 64)
     assert_close_to_ref(dq, rope_ref(wq, fn_, backward=True), wq, 64, "float32", "jax dq")
     assert not np.asarray(dk).any() and not np.asarray(dv).any()
+
+
+def test_jax_gpu_launch_way(xla_launch):
+    """The traced call launches the way the fixture chose: the FFI custom call, or a callback."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
+    text = jax.jit(lambda t: crj.apply_rope(t, f)).lower(jnp.ones((16, 2, 4, 64), jnp.float32)).as_text()
+    assert ("@cupy_rope_launch" in text) == (xla_launch == "ffi"), text[-2000:]
 
 
 def test_te_dropin_cuda_matches_reference():
@@ -230,7 +242,7 @@ def test_torch_rope_qk_cuda_one_launch_matches_separate_calls():
                 x.copy_(torch.randn_like(x))
 
 
-def test_jax_rope_qk_fused_gpu_command_buffers():
+def test_jax_rope_qk_fused_gpu_command_buffers(xla_launch):
     """The JAX q+k entries on the GPU: against the reference, and a jitted multi-layer chain called
     with alternating inputs (XLA may record the launches into a command buffer and replay them:
     every call must see its own buffers); grad and vmap."""

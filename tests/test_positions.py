@@ -806,7 +806,7 @@ def test_gpu_inv_freq_angles_are_exact_at_long_context():
 
 
 @pytest.mark.gpu
-def test_gpu_jax():
+def test_gpu_jax(xla_launch):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import cupy_rope.jax as crj

@@ -13,9 +13,8 @@
 // validation, plan, compile and launch in Python, which hands its prepared launch back through
 // ``cupy_rope::_ext_put`` for the next call with this signature.
 //
-// No CUDA headers: cuLaunchKernel and cuLaunchKernelEx are looked up in libcuda when first needed
-// (their structs declared here as cuda.h lays them out), torch's current stream comes from c10's
-// device-generic stream interface.
+// No CUDA headers: the launch is cuda_launch.h's (libcuda looked up when first needed), torch's
+// current stream comes from c10's device-generic stream interface.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -24,7 +23,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
-#include <dlfcn.h>
+#include "cuda_launch.h"
 
 #include <atomic>
 #include <cstdint>
@@ -35,46 +34,6 @@
 #include <vector>
 
 namespace {
-
-using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                         void*, void**, void**);
-
-// CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12+).
-struct LaunchAttribute {
-  int id;
-  char pad[4];
-  union {
-    int value;
-    char raw[64];
-  };
-};
-struct LaunchConfig {
-  unsigned grid[3], block[3], shared_bytes;
-  void* stream;
-  LaunchAttribute* attrs;
-  unsigned num_attrs;
-};
-static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h launch structs");
-constexpr int kProgrammaticStreamSerialization = 6;  // CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-using LaunchExFn = int (*)(const LaunchConfig*, void*, void**, void**);
-
-void* libcuda_symbol(const char* name) {
-  static void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-  TORCH_CHECK(h != nullptr, "cupy_rope: cannot open libcuda.so.1");
-  void* f = dlsym(h, name);
-  TORCH_CHECK(f != nullptr, "cupy_rope: libcuda has no ", name);
-  return f;
-}
-
-LaunchFn launch_fn() {
-  static LaunchFn fn = reinterpret_cast<LaunchFn>(libcuda_symbol("cuLaunchKernel"));
-  return fn;
-}
-
-LaunchExFn launch_ex_fn() {
-  static LaunchExFn fn = reinterpret_cast<LaunchExFn>(libcuda_symbol("cuLaunchKernelEx"));
-  return fn;
-}
 
 // The op families (ops of one family share a schema, a Python op and an address order).
 enum Family { ROPE, QK, QK_INPLACE, POS, POS_INPLACE };
@@ -271,17 +230,9 @@ bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& 
   for (size_t i = 0; i < e.blocks.size(); ++i) argv[i] = params.data() + e.blocks[i];
   c10::DeviceGuard guard(lead.device());
   void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(lead.device()).native_handle();
-  int rc;
-  if (e.pdl) {
-    LaunchAttribute attr{};
-    attr.id = kProgrammaticStreamSerialization;
-    attr.value = 1;
-    const LaunchConfig cfg{{e.gx, e.gy, 1}, {e.block, 1, 1}, 0, stream, &attr, 1};
-    rc = launch_ex_fn()(&cfg, e.fn, argv, nullptr);
-  } else {
-    rc = launch_fn()(e.fn, e.gx, e.gy, 1, e.block, 1, 1, 0, stream, argv, nullptr);
-  }
-  TORCH_CHECK(rc == 0, "cupy_rope: kernel launch failed with CUresult ", rc);
+  const int rc = cupy_rope::launch(e.fn, e.gx, e.gy, e.block, stream, argv, e.pdl);
+  TORCH_CHECK(rc == 0, "cupy_rope: kernel launch failed with CUresult ", rc,
+              rc == cupy_rope::kLibcudaMissing ? " (libcuda.so.1 or its launch entry point not found)" : "");
   torch::jit::drop(*stack, nargs);
   switch (f) {
     case ROPE: torch::jit::push(*stack, std::move(outs[0])); break;

@@ -1,0 +1,225 @@
+"""The XLA FFI launch (``cupy_rope/_xla.py``, ``csrc/xla_launch.cpp``) without a GPU.
+
+The launch a traced call hands to XLA lives in the custom call's attributes (kernel, parameter
+blocks with byte offsets in the address words, address slots, geometry). Here the calls are
+lowered for CUDA on the CPU (the device plumbing replaced: one GPU of 132 SMs, kernels not
+loaded), the handler's contract applied to NumPy buffers (each slot's word += its buffer's
+address) and the kernel run on the CPU by the host build of the same ``.cu``: the results must
+match the float64 reference, with every output poisoned first. The handler library itself is
+built and its symbols checked; the environment switch is validated. The GPU runs the handler
+itself (``tests/test_gpu_shims.py``).
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+import cupy_rope
+from reference import assert_close_to_ref, qkv_split_ref, rope_ref
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+
+@pytest.fixture
+def lowered_for_cuda(monkeypatch):
+    """Trace calls as on one 132-SM GPU (no PDL) and lower them for CUDA; returns lower(fn, *args)."""
+    from cupy_rope import _jax_ops, _launch, _xla
+
+    if _xla.ffi_library() is None:
+        pytest.skip("the XLA launch handler did not build here (no C++ compiler or CUPY_ROPE_XLA_FFI=0)")
+    monkeypatch.setattr(_xla, "gpu_ordinals", lambda: (0,))
+    monkeypatch.setattr(_xla, "precompile", lambda names: None)
+    monkeypatch.setattr(_xla, "_registered", set())
+    monkeypatch.setattr(_launch, "sm_count", lambda d: 132)
+    monkeypatch.setattr(_launch, "pdl_launcher", lambda d: None)
+    monkeypatch.setattr(_launch, "function", lambda name, d: (0, 0))
+    monkeypatch.setattr(_jax_ops, "_on_gpu", lambda *a: True)
+
+    def lower(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    return lower
+
+
+def _attr(text, name):
+    m = re.search(name + r" = dense<\[?([-\d, ]*)\]?> : tensor<(\d+)xi64>", text)
+    vals = [int(v) for v in m.group(1).split(",")] if m.group(1).strip() else []
+    return np.array(vals * (int(m.group(2)) if len(vals) == 1 else 1), np.int64)
+
+
+def run_lowered(text, operands, results):
+    """Apply the handler's contract to NumPy buffers: the custom call's words, each slot's word
+    plus its buffer's address (operands, then results), launched on the host build."""
+    from cupy_rope._dev import hostkernels
+
+    assert text.count("stablehlo.custom_call @cupy_rope_launch") == 1, "expected one FFI launch"
+    kernel = re.search(r'kernel = "(\w+)"', text).group(1)
+    words, slots, geometry = _attr(text, "params"), _attr(text, "slots"), _attr(text, "geometry")
+    buffers = list(operands) + list(results)
+    for b in buffers:
+        assert b.ctypes.data % 16 == 0, "NumPy buffer not 16-byte aligned"
+    for b, w in slots.reshape(-1, 2):
+        words[w] += buffers[b].ctypes.data
+    gx, gy, block, nblocks, pdl = (int(v) for v in geometry)
+    assert len(words) % nblocks == 0 and pdl == 0
+    hostkernels.launch(kernel, (gx, gy), block, words.astype("<i8").tobytes())
+    return kernel
+
+
+def _poisoned(shape, dtype):
+    return np.full(shape, np.nan, dtype)
+
+
+def _aligned(a):
+    """A 16-byte aligned copy of ``a`` (XLA's buffers are)."""
+    raw = np.empty(a.nbytes + 16, np.uint8)
+    off = (-raw.ctypes.data) % 16
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def test_ffi_rope_single_tensor(lowered_for_cuda):
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(11)
+    fn_ = rng.uniform(-5, 5, (64, 1, 1, 64)).astype(np.float32)
+    xn = rng.uniform(-1, 1, (24, 2, 3, 80)).astype(np.float32)
+    sp = np.array([3, 9], np.int32)
+    for backward in (False, True):
+        entry = crj.apply_rope_backward if backward else crj.apply_rope
+        text = lowered_for_cuda(lambda t, f, s: entry(t, f, "sbhd", start_positions=s, cp_size=2, cp_rank=1),
+                                xn, fn_, sp)
+        y = _poisoned(xn.shape, np.float32)
+        run_lowered(text, [_aligned(xn), _aligned(fn_), _aligned(sp)], [y])
+        assert_close_to_ref(y, rope_ref(xn, fn_, start_positions=sp, cp_size=2, cp_rank=1, backward=backward),
+                            xn, 64, "float32")
+
+
+@pytest.mark.parametrize("form", ["separate", "fused5", "flat_gqa"])
+def test_ffi_rope_qk(lowered_for_cuda, form):
+    """q and k in one launch: separate tensors, views of a fused [b, s, 3, h, d] projection and of
+    a flat GQA projection [b, s, (hq + 2 hk) d] (byte offsets in the address words)."""
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(12)
+    fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
+    sp = np.array([1, 4], np.int32)
+    if form == "separate":
+        qn, kn = (rng.uniform(-1, 1, (2, 16, h, 64)).astype(np.float32) for h in (4, 2))
+        text = lowered_for_cuda(lambda a, b, f, s: crj.apply_rope_qk(a, b, f, "bshd", start_positions=s), qn, kn,
+                                fn_, sp)
+        operands = [qn, kn, fn_, sp]
+    elif form == "fused5":
+        qkv = rng.uniform(-1, 1, (2, 16, 3, 4, 64)).astype(np.float32)
+        qn, kn = qkv[:, :, 0], qkv[:, :, 1]
+        text = lowered_for_cuda(lambda a, f, s: crj.apply_rope_qk_fused(a, f, "bshd", start_positions=s), qkv, fn_,
+                                sp)
+        operands = [qkv, fn_, sp]
+    else:
+        qkv = rng.uniform(-1, 1, (2, 16, (8 + 2 * 2) * 64)).astype(np.float32)
+        qn, kn = qkv[..., :512].reshape(2, 16, 8, 64), qkv[..., 512:640].reshape(2, 16, 2, 64)
+        text = lowered_for_cuda(lambda a, f, s: crj.apply_rope_qk_fused(a, f, "bshd", num_q_heads=8, num_kv_heads=2,
+                                                                        start_positions=s), qkv, fn_, sp)
+        operands = [qkv, fn_, sp]
+    outs = [_poisoned(qn.shape, np.float32), _poisoned(kn.shape, np.float32)]
+    run_lowered(text, [_aligned(a) for a in operands], outs)
+    for got, a, name in zip(outs, (qn, kn), "qk"):
+        assert_close_to_ref(got, rope_ref(a, fn_, layout="bshd", start_positions=sp), a, 64, "float32", name)
+
+
+def test_ffi_rope_pos_cos_sin_cache(lowered_for_cuda):
+    """The positions API: per-token positions, a float32 cos/sin cache, q and k (GQA), NeoX."""
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(13)
+    cache = np.asarray(cupy_rope.rope_cos_sin_cache(64, 50))  # [50, 64]: cos | sin
+    pos = rng.integers(0, 50, 24).astype(np.int32)  # JAX without x64: int32
+    qn, kn = rng.uniform(-1, 1, (24, 4, 64)).astype(np.float32), rng.uniform(-1, 1, (24, 2, 64)).astype(np.float32)
+    text = lowered_for_cuda(lambda p, a, b, c: crj.apply_rope_pos(p, a, b, cos_sin_cache=c), pos, qn, kn, cache)
+    outs = [_poisoned(qn.shape, np.float32), _poisoned(kn.shape, np.float32)]
+    run_lowered(text, [_aligned(pos), _aligned(qn), _aligned(kn), _aligned(cache)], outs)
+    cos, sin = cache[pos, :32].astype(np.float64), cache[pos, 32:].astype(np.float64)
+    for got, a in zip(outs, (qn, kn)):
+        x1, x2 = a[..., :32].astype(np.float64), a[..., 32:].astype(np.float64)
+        ref = np.concatenate([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]], -1)
+        np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_ffi_qkv_packed(lowered_for_cuda):
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(14)
+    fn_ = rng.uniform(-5, 5, (16, 1, 1, 64)).astype(np.float32)
+    qkv = rng.uniform(-1, 1, (16, 2, 2, 6 * 64)).astype(np.float32)
+    text = lowered_for_cuda(lambda a, f: crj.apply_qkv_rope(a, f, f, num_q_heads=8), qkv, fn_)
+    q = _poisoned((16, 2, 8, 64), np.float32)
+    k, v = _poisoned((16, 2, 2, 64), np.float32), _poisoned((16, 2, 2, 64), np.float32)
+    fa = _aligned(fn_)
+    # the custom call's operands: the projection and the table once per role (q, k)
+    n_ops = len(re.search(r"custom_call @cupy_rope_launch\(([^)]*)\)", text).group(1).split(","))
+    run_lowered(text, [_aligned(qkv)] + [fa] * (n_ops - 1), [q, k, v])
+    xq, xk, xv = qkv_split_ref(qkv, 4, 64)
+    assert_close_to_ref(q, rope_ref(xq, fn_), xq, 64, "float32", "q")
+    assert_close_to_ref(k, rope_ref(xk, fn_), xk, 64, "float32", "k")
+    np.testing.assert_array_equal(v, xv)
+
+
+def test_ffi_bf16_matches_cpu_path(lowered_for_cuda):
+    """bf16 through the FFI attributes: every element within one bf16 ulp of the CPU path (jnp)."""
+    import ml_dtypes
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(15)
+    fn_ = np.asarray(cupy_rope.rope_freqs(128, 64))
+    xn = rng.uniform(-2, 2, (1, 64, 32, 128)).astype(ml_dtypes.bfloat16)
+    sp = rng.integers(0, 60, 64).astype(np.int32)
+    text = lowered_for_cuda(lambda t, f, s: crj.apply_rope(t, f, "sbhd", start_positions=s), xn, fn_, sp)
+    y = np.full(xn.shape, np.nan, ml_dtypes.bfloat16)
+    run_lowered(text, [_aligned(xn), _aligned(fn_), _aligned(sp)], [y])
+    ref = rope_ref(xn.astype(np.float32), fn_, start_positions=sp)
+    assert_close_to_ref(y, ref, xn, 128, "bfloat16")
+
+
+def test_ffi_handler_library_exports():
+    import ctypes
+
+    from cupy_rope import _cxx, _xla
+
+    if _cxx.compiler() is None:
+        pytest.skip("no C++ compiler")
+    lib = ctypes.CDLL(str(_xla.build_ffi()))
+    assert lib.cupy_rope_xla_launch and lib.cupy_rope_xla_register
+
+
+def test_ffi_switch(monkeypatch):
+    from cupy_rope import _xla
+
+    monkeypatch.setattr(_xla, "_ffi", [])
+    monkeypatch.setenv("CUPY_ROPE_XLA_FFI", "sometimes")
+    with pytest.raises(ValueError, match="CUPY_ROPE_XLA_FFI: expected auto, 0 or 1, got 'sometimes'"):
+        _xla.ffi_library()
+    monkeypatch.setattr(_xla, "_ffi", [])
+    monkeypatch.setenv("CUPY_ROPE_XLA_FFI", "0")
+    assert _xla.ffi_library() is None
+
+
+def test_ffi_build_failure(monkeypatch):
+    """auto: a failed build warns and the callback path serves; 1: it raises."""
+    from cupy_rope import _xla
+
+    def fail():
+        raise RuntimeError("C++ build failed: planted")
+
+    monkeypatch.setattr(_xla, "_load_ffi", fail)
+    monkeypatch.setattr(_xla, "_ffi", [])
+    monkeypatch.setenv("CUPY_ROPE_XLA_FFI", "auto")
+    with pytest.warns(RuntimeWarning, match="XLA launch handler is unavailable.*planted"):
+        assert _xla.ffi_library() is None
+    monkeypatch.setattr(_xla, "_ffi", [])
+    monkeypatch.setenv("CUPY_ROPE_XLA_FFI", "1")
+    with pytest.raises(RuntimeError, match="planted"):
+        _xla.ffi_library()
