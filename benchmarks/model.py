@@ -482,7 +482,10 @@ def main(argv=None):
 
     result["environment"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                  python=platform.python_version(), date=time.strftime("%Y-%m-%d"))
-    result["command"] = "python benchmarks/model.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # a merged file lists every command whose results it holds
+    commands = [c for c in result.get("command", "").split("; ") if c]
+    this = "python benchmarks/model.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "; ".join(commands + [this] if this not in commands else commands)
     try:
         import jax
 
