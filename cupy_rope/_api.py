@@ -151,6 +151,11 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
         fn = _jax_ops().apply_rope_backward if backward else _jax_ops().apply_rope
         return fn(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+    if kind == "torch" and out is None and _launch.NATIVE is not None and not _DEBUG[0]:
+        res = _launch.NATIVE("rope", x, x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
+                             backward, transpose_output_memory)
+        if res is not None:
+            return res
     # cached launches skip validation: only for outputs that cannot overlap the input differently
     if kind is not None and not _DEBUG[0] and (out is None or out is x):
         arrays = (x, freqs, cu_seqlens, start_positions)
@@ -204,6 +209,11 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
         fn = _jax_ops().apply_rope_qk_backward if backward else _jax_ops().apply_rope_qk
         return fn(q, k, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
+    if kind == "torch" and inplace is False and _launch.NATIVE is not None and not _DEBUG[0]:
+        res = _launch.NATIVE("rope_qk", q, q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size,
+                             cp_rank, backward)
+        if res is not None:
+            return res
     if kind is not None and not _DEBUG[0]:
         arrays = (q, k, freqs, cu_seqlens, start_positions)
         key, ptrs = _launch.cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),

@@ -212,6 +212,10 @@ _STATS = {"hits": 0, "misses": 0}
 MIRROR = None
 DEBUG_LISTENERS: list = []
 NATIVE_HITS: list = []  # functions returning a shim cache's hit count, for cache_info
+# Set by a framework shim whose own launch path serves the public API's calls on its arrays (the
+# torch shim's C++ path): ``NATIVE(op, lead, *op arguments)`` runs the call and returns its
+# result, or None to leave it to the public API's own path.
+NATIVE = None
 
 
 def cache_info() -> dict:

@@ -16,6 +16,7 @@ the build tools are present; otherwise, or if the build fails, a warning and the
 from __future__ import annotations
 
 import re
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -42,7 +43,8 @@ def missing_tools() -> str:
 def build() -> str:
     """Compile (or find in the cache, :mod:`cupy_rope._cxx`) and load the library; returns its
     path. One build per source, torch version and compiler, with torch's headers, against its
-    libraries. Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before
+    libraries; with Python's headers where they are found (the fast entry, :data:`FAST`), else
+    without. Loading registers the C++ CUDA kernels of the cupy_rope ops: only call it before
     the torch shim registers its Python ones (the shim does)."""
     from torch.utils import cpp_extension
 
@@ -51,14 +53,38 @@ def build() -> str:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     common = ["-O2", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{SOURCE.parent}",
               *[f"-isystem{p}" for p in cpp_extension.include_paths()]]
-    ldflags = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-ltorch"]
-    # recent torch headers need C++20, older ones accept C++17
+    python = ["-DCUPY_ROPE_PYTHON", f"-isystem{sysconfig.get_paths()['include']}"]
+    ldflags = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+    # recent torch headers need C++20, older ones accept C++17; without Python's headers, no fast entry
+    flag_sets = [[std, *common, *py] for py in (python, []) for std in ("-std=c++20", "-std=c++17")]
     path = _cxx.shared_library("torch_launch_" + re.sub(r"\W", "_", torch.__version__), SOURCE.read_text(),
-                               [["-std=c++20", *common], ["-std=c++17", *common]], files=HEADERS, ldflags=ldflags,
+                               flag_sets, files=HEADERS, ldflags=ldflags,
                                announce="cupy_rope.torch: building the C++ launch path (once per version, "
                                         "10-60 s; CUPY_ROPE_TORCH_EXT=0 skips it)")
     torch.ops.load_library(str(path))
+    _load_fast(path)
     return str(path)
+
+
+# The C++ fast entry, where the library was built with Python's headers: ``FAST(FAST_INDEX[op],
+# *op arguments)`` serves a cached call of one of the ops ``FAST_INDEX`` names from Python
+# without the dispatcher (outputs, True for in-place ops, None when not served).
+FAST = None
+FAST_INDEX: dict = {}
+
+
+def _load_fast(path) -> None:
+    global FAST
+    import ctypes
+
+    try:
+        entry = ctypes.PyDLL(str(path)).cupy_rope_torch_fast
+    except (OSError, AttributeError):
+        return
+    entry.restype, entry.argtypes = ctypes.py_object, []
+    fn, names = entry()
+    FAST_INDEX.update({name.split("::", 1)[1]: i for i, name in enumerate(names)})
+    FAST = fn
 
 
 def load() -> bool:
@@ -100,10 +126,15 @@ def resolving(fn):
     return run
 
 
+def resolving_now() -> bool:
+    """Whether this thread is resolving a miss of the C++ path (:func:`resolving`)."""
+    return getattr(_state, "on", False)
+
+
 def mirror(prepared, outputs) -> None:
     """Hand a prepared launch (:class:`cupy_rope._launch.Prepared`, its outputs as kept by the
     launch cache) to the C++ cache, when this thread resolves a miss of the C++ path."""
-    if not getattr(_state, "on", False):
+    if not resolving_now():
         return
     import ctypes
 

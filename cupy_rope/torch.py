@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _api, _freqs, _plan, _torch_ext
+from . import _api, _freqs, _launch, _plan, _torch_ext
 
 
 # ----------------------------------------------------------------------------- ops
@@ -98,16 +98,27 @@ _ROPE = torch.ops.cupy_rope.rope.default
 _ROPE_QK = torch.ops.cupy_rope.rope_qk.default
 _ROPE_IMPL = torch.ops.cupy_rope._rope_impl.default
 _ROPE_QK_IMPL = torch.ops.cupy_rope._rope_qk_impl.default
+_ROPE_QK_ = torch.ops.cupy_rope.rope_qk_.default
+
+
+def _fast(op, *args):
+    """A plain-CUDA call of ``op`` (an OpOverload the C++ path serves) from the C++ launch cache
+    without the dispatcher (:data:`cupy_rope._torch_ext.FAST`); None when it is not served there."""
+    return None if _FAST is None else _FAST(_FAST_INDEX[op._opname], *args)
 
 
 def _below_autograd(impl_op, kernel, op, lead, *args):
     """Run below autograd: traced by torch.compile, the autograd-free op ``impl_op``; for plain
-    CUDA tensors the ``kernel`` directly; otherwise (fake, functional and other wrapper tensors,
-    dispatch modes, CPU) the public ``op`` through the dispatcher."""
+    CUDA tensors a hit of the C++ launch cache, else ``impl_op`` (with the C++ path) or the Python
+    ``kernel``; otherwise (fake, functional and other wrapper tensors, dispatch modes, CPU) the
+    public ``op`` through the dispatcher."""
     if torch.compiler.is_compiling():
         return impl_op(*args)
     if _plain_cuda(lead):
-        return impl_op(*args) if _EXT else kernel(*args)
+        if not _EXT:
+            return kernel(*args)
+        res = _fast(impl_op, *args)
+        return impl_op(*args) if res is None else res
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 
@@ -118,6 +129,20 @@ def _rope_call(x, *args):
 
 def _rope_qk_call(q, *args):
     return _below_autograd(_ROPE_QK_IMPL, _rope_qk_kernel, _ROPE_QK, q, q, *args)
+
+
+def _inplace_call(op, kernel, lead, *args):
+    """An in-place op below autograd (the caller bumps the version counters): for plain CUDA
+    tensors a hit of the C++ launch cache or, without the C++ path, the Python ``kernel``;
+    otherwise (and on a miss) the op through the dispatcher."""
+    if _plain_cuda(lead):
+        if not _EXT:
+            kernel(*args)
+            return
+        if _fast(op, *args) is not None:
+            return
+    with torch._C._AutoDispatchBelowAutograd():
+        op(*args)
 
 
 class _RopeFn(torch.autograd.Function):
@@ -173,12 +198,8 @@ def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size,
     if _needs_grad(q, k):
         raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
                          "(an in-place rotation is not differentiable), got True")
-    if _plain_cuda(q) and not _EXT:
-        _rope_qk_inplace_kernel(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
-    else:
-        with torch._C._AutoDispatchBelowAutograd():
-            torch.ops.cupy_rope.rope_qk_.default(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
-                                                 backward)
+    _inplace_call(_ROPE_QK_, _rope_qk_inplace_kernel, q, q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
+                  backward)
     torch.autograd.graph.increment_version((q, k))
 
 
@@ -217,6 +238,43 @@ _PY_KERNELS.update({"rope_pos": _rope_pos_kernel, "_rope_pos_impl": _rope_pos_ke
 # CPU: the Python kernels. CUDA: the C++ launch path where it loads (cupy_rope._torch_ext), its
 # misses handled by the ``_py_`` ops; otherwise the Python kernels.
 _EXT = _torch_ext.load()
+_FAST, _FAST_INDEX = _torch_ext.FAST, _torch_ext.FAST_INDEX
+
+
+_T, _TN = "tensor", "tensor or None"
+# The argument types of the ops the public API's calls take (exact types: anything else, e.g. an
+# array of another framework or a numpy bool, stays on the public API's path and its errors).
+_ROUTE_TYPES = {"rope": (_T, _T, str, bool, _TN, _TN, int, int, bool, bool),
+                "rope_qk": (_T, _T, _T, str, bool, _TN, _TN, int, int, bool)}
+
+
+def _route_types_match(name, args) -> bool:
+    for a, t in zip(args, _ROUTE_TYPES[name]):
+        if t is _T or t is _TN:
+            if not (type(a) is torch.Tensor or (a is None and t is _TN)):
+                return False
+        elif type(a) is not t:
+            return False
+    return len(args) == len(_ROUTE_TYPES[name])
+
+
+def _public_route(name, lead, *args):
+    """The public API's calls on plain CUDA tensors (``cupy_rope._launch.NATIVE``) through the C++
+    path: a hit of its cache, else the autograd-free op, whose miss validates, launches and
+    prepares the C++ launch. None (the public API's own path) while this thread resolves a miss,
+    for arguments of other types than the op's, and for tensors that require grad (the public
+    API returns tensors without autograd history)."""
+    arrays = args[:1] if name == "rope" else args[:2]
+    if (_torch_ext.resolving_now() or not _plain_cuda(lead) or not _route_types_match(name, args)
+            or _needs_grad(*arrays)):
+        return None
+    op = _ROPE_IMPL if name == "rope" else _ROPE_QK_IMPL
+    res = _fast(op, *args)
+    return op(*args) if res is None else res
+
+
+if _EXT:
+    _launch.NATIVE = _public_route
 for _name, _kernel in _PY_KERNELS.items():
     _LIB.impl(_name, _kernel, "CPU")
     if not _EXT:
@@ -237,6 +295,7 @@ def _rope_pos_inplace_fake(positions, q, k, table, *static):
 
 
 _ROPE_POS = torch.ops.cupy_rope.rope_pos.default
+_ROPE_POS_ = torch.ops.cupy_rope.rope_pos_.default
 _ROPE_POS_IMPL = torch.ops.cupy_rope._rope_pos_impl.default
 
 
@@ -272,11 +331,7 @@ def _rope_pos_inplace_autograd(positions, q, k, table, *static):
     if _needs_grad(q, *([k] if k is not None else [])):
         raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
                          "(an in-place rotation is not differentiable), got True")
-    if _plain_cuda(q) and not _EXT:
-        _rope_pos_inplace_kernel(positions, q, k, table, *static)
-    else:
-        with torch._C._AutoDispatchBelowAutograd():
-            torch.ops.cupy_rope.rope_pos_.default(positions, q, k, table, *static)
+    _inplace_call(_ROPE_POS_, _rope_pos_inplace_kernel, q, positions, q, k, table, *static)
     torch.autograd.graph.increment_version((q,) if k is None else (q, k))
 
 

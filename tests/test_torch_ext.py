@@ -54,6 +54,20 @@ def test_builds_and_loads_beside_the_cpu_kernels():
         "q, k = torch.ops.cupy_rope.rope_qk(x, x, f, 'sbhd', False, None, None, 1, 0, False)\n"
         "assert torch.equal(q, y) and torch.equal(k, y)\n"
         "cupy_rope.set_debug(True); cupy_rope.set_debug(False)\n"
+        "import os, sysconfig\n"
+        "if os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')):\n"
+        "    assert _torch_ext.FAST is not None and crt._launch.NATIVE is crt._public_route\n"
+        "if _torch_ext.FAST is not None:\n"
+        "    i = _torch_ext.FAST_INDEX['_rope_impl']\n"
+        "    assert _torch_ext.FAST(i, x, f, 'sbhd', False, None, None, 1, 0, False, False) is None  # CPU: not served\n"
+        "    assert _torch_ext.FAST(i, x) is None  # wrong arity: left to the dispatcher\n"
+        "    for bad, exc in ((99, ValueError), ('rope', TypeError)):\n"
+        "        try:\n"
+        "            _torch_ext.FAST(bad, x)\n"
+        "        except exc:\n"
+        "            pass\n"
+        "        else:\n"
+        "            raise AssertionError(bad)\n"
         "print('ok')\n"
     )
     r = _run(code, "1")
@@ -92,8 +106,11 @@ def _offset(t, elems: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_every_op_from_the_cpp_cache_matches_the_python_path(dtype):
+def test_gpu_every_op_from_the_cpp_cache_matches_the_python_path(dtype, monkeypatch):
     crt, _ = _ext_or_skip()
+    from cupy_rope import _launch
+
+    monkeypatch.setattr(_launch, "NATIVE", None)  # the public API's own (Python) path for the wants
     dt = getattr(torch, dtype)
     rng = np.random.default_rng(7)
     f = torch.from_numpy(cupy_rope.rope_freqs(64, 256)).cuda()
@@ -242,3 +259,75 @@ def test_gpu_tables_built_for_torch_are_static_for_cuda_graph_trees():
     for t in (cupy_rope.rope_freqs(64, 16, like=like), cupy_rope.rope_cos_sin_cache(64, 16, like=like)):
         assert t.is_cuda and getattr(t, "_dynamo_static_input_type", None) == "unguarded"
     assert getattr(cupy_rope.rope_freqs(64, 16, like=torch.empty(0)), "_dynamo_static_input_type", None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_fast_entry_and_the_public_api_route(dtype, monkeypatch):
+    """Cached calls from Python without the dispatcher (the fast entry) and the public API's
+    calls on torch tensors through the C++ path: the Python path's exact results, counted as C++
+    hits; in-place calls bump the version counters; tensors that require grad keep the public
+    API's own path (outputs without autograd history)."""
+    crt, ext = _ext_or_skip()
+    from cupy_rope import _launch
+
+    assert ext.FAST is not None, "the fast entry did not build on the GPU machine"
+    dt = getattr(torch, dtype)
+    rng = np.random.default_rng(17)
+    f = torch.from_numpy(cupy_rope.rope_freqs(128, 512)).cuda()
+    cs = torch.from_numpy(cupy_rope.rope_cos_sin_cache(128, 512)).cuda().to(dt)
+    sp = torch.from_numpy(rng.integers(0, 400, 8).astype(np.int32)).cuda()
+    pos = torch.from_numpy(rng.integers(0, 512, 8)).cuda()
+    for trial in range(3):
+        qkv = torch.randn(8, 1, 3, 6, 128, device="cuda", dtype=dt)  # [b, s, 3, h, d]: strided views
+        q, k = qkv[:, :, 0], qkv[:, :, 1]
+        qt, kt = torch.randn(8, 6 * 128, device="cuda", dtype=dt), torch.randn(8, 2 * 128, device="cuda", dtype=dt)
+        with monkeypatch.context() as m:
+            m.setattr(_launch, "NATIVE", None)
+            want = cupy_rope.apply_rope(q, f, "bshd", start_positions=sp)
+            want_qk = cupy_rope.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
+            want_pos = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=128)
+        for rep in range(3):
+            before, before_native = _hits(), cupy_rope.cache_info()["native_hits"]
+            assert torch.equal(crt.apply_rope(q, f, "bshd", start_positions=sp), want)
+            gq, gk = crt.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
+            assert torch.equal(gq, want_qk[0]) and torch.equal(gk, want_qk[1])
+            assert torch.equal(cupy_rope.apply_rope(q, f, "bshd", start_positions=sp), want)  # public API
+            gq, gk = cupy_rope.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
+            assert torch.equal(gq, want_qk[0]) and torch.equal(gk, want_qk[1])
+            iq, ik = qkv.clone()[:, :, 0], qkv.clone()[:, :, 1]
+            v0 = (iq._version, ik._version)
+            crt.apply_rope_qk(iq, ik, f, "bshd", start_positions=sp, inplace=True)
+            assert torch.equal(iq, want_qk[0]) and torch.equal(ik, want_qk[1])
+            assert iq._version > v0[0] and ik._version > v0[1]
+            pq, pk = crt.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=128)
+            assert torch.equal(pq, want_pos[0]) and torch.equal(pk, want_pos[1])
+            iq, ik = qt.clone(), kt.clone()
+            crt.apply_rope_pos(pos, iq, ik, cos_sin_cache=cs, head_size=128, inplace=True)
+            assert torch.equal(iq, want_pos[0]) and torch.equal(ik, want_pos[1])
+            if rep:
+                assert _hits() == before + 7
+                assert cupy_rope.cache_info()["native_hits"] == before_native + 7
+    # a signature not cached yet: not served by the fast entry (the op then validates and caches it)
+    x = torch.randn(3, 1, 2, 128, device="cuda", dtype=dt)
+    i = ext.FAST_INDEX["_rope_impl"]
+    assert ext.FAST(i, x, f, "sbhd", False, None, None, 1, 0, False, False) is None
+    assert ext.FAST(i, x, f, "sbhd", 0, None, None, 1, 0, False, False) is None  # an int for a bool
+    # the public API on tensors that require grad: its own path, no autograd history
+    xg = x.clone().requires_grad_(True)
+    for _ in range(2):
+        y = cupy_rope.apply_rope(xg, f)
+        assert not y.requires_grad and y.grad_fn is None
+    # errors keep their names and types through the public API's route, and arguments of other
+    # types than the op's stay on the public API's path
+    with pytest.raises(ValueError, match="`freqs`"):
+        cupy_rope.apply_rope(x, f[:1], "sbhd", start_positions=sp[:1] + 100)
+    with pytest.raises(ValueError, match="`layout`"):
+        cupy_rope.apply_rope(x, f, None)
+    with monkeypatch.context() as m:
+        m.setattr(_launch, "NATIVE", None)
+        want = cupy_rope.apply_rope(x, f, interleaved=True)
+    assert torch.equal(cupy_rope.apply_rope(x, f, interleaved=np.bool_(True)), want)
+    import cupy
+
+    assert torch.equal(cupy_rope.apply_rope(x, cupy.from_dlpack(f)), crt.apply_rope(x, f))  # a CuPy table

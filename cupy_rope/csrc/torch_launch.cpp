@@ -15,6 +15,10 @@
 //
 // No CUDA headers: the launch is cuda_launch.h's (libcuda looked up when first needed), torch's
 // current stream comes from c10's device-generic stream interface.
+#ifdef CUPY_ROPE_PYTHON
+#include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
+#endif
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -194,12 +198,10 @@ void push_overlaps(Key& key, const std::vector<const at::Tensor*>& arrays, size_
   key.push_back(meet ? ext[1].first - ext[0].first : 0);
 }
 
-// A hit: allocate, patch, launch, leave the returns on the stack. False (nothing done) when an
+// A hit: allocate the outputs (into `outs`), patch, launch. False (nothing launched) when an
 // output's address alignment differs from the prepared launch's.
-bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& arrays, torch::jit::Stack* stack,
-                size_t nargs) {
+bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& arrays, std::vector<at::Tensor>& outs) {
   const at::Tensor& lead = *arrays[0];
-  std::vector<at::Tensor> outs;
   outs.reserve(e.outs.size());
   std::vector<int64_t> addr;
   addr.reserve(arrays.size() + 2);
@@ -233,6 +235,11 @@ bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& 
   const int rc = cupy_rope::launch(e.fn, e.gx, e.gy, e.block, stream, argv, e.pdl);
   TORCH_CHECK(rc == 0, "cupy_rope: kernel launch failed with CUresult ", rc,
               rc == cupy_rope::kLibcudaMissing ? " (libcuda.so.1 or its launch entry point not found)" : "");
+  return true;
+}
+
+// The op's returns on the stack in place of its `nargs` arguments.
+void push_outputs(Family f, std::vector<at::Tensor>& outs, torch::jit::Stack* stack, size_t nargs) {
   torch::jit::drop(*stack, nargs);
   switch (f) {
     case ROPE: torch::jit::push(*stack, std::move(outs[0])); break;
@@ -245,33 +252,45 @@ bool run_cached(const Entry& e, Family f, const std::vector<const at::Tensor*>& 
     }
     default: break;
   }
-  return true;
+}
+
+// The cached launch of a call (op and arguments): its family, signature and arrays, and the
+// prepared launch (null on a miss or when the call cannot be keyed).
+struct Lookup {
+  Family f;
+  Key key;
+  bool keyed;
+  std::vector<const at::Tensor*> arrays;
+  std::shared_ptr<const Entry> entry;
+};
+
+Lookup lookup(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
+  Lookup l{family_of(op.schema().name()), {}, false, {}, nullptr};
+  l.key.reserve(64);
+  l.arrays = launch_arrays(l.f, args);
+  l.keyed = make_key(op, args, l.key);
+  if (l.keyed && (l.f == QK_INPLACE || l.f == POS_INPLACE)) push_overlaps(l.key, l.arrays, 2);
+  if (l.keyed) {
+    std::lock_guard<std::mutex> g(mu);
+    if (enabled) {
+      auto it = cache.find(l.key);
+      if (it != cache.end()) l.entry = it->second;
+    }
+  }
+  return l;
 }
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  Family f = family_of(schema.name());
-  size_t nargs = schema.arguments().size();
-  Key key;
-  key.reserve(64);
-  const auto args = torch::jit::last(*stack, nargs);
-  const auto arrays = launch_arrays(f, args);
-  bool keyed = make_key(op, args, key);
-  if (keyed && (f == QK_INPLACE || f == POS_INPLACE)) push_overlaps(key, arrays, 2);
-  std::shared_ptr<const Entry> e;
-  if (keyed) {
-    std::lock_guard<std::mutex> g(mu);
-    if (enabled) {
-      auto it = cache.find(key);
-      if (it != cache.end()) e = it->second;
-    }
-  }
-  if (e && run_cached(*e, f, arrays, stack, nargs)) {
+  const size_t nargs = op.schema().arguments().size();
+  Lookup l = lookup(op, torch::jit::last(*stack, nargs));
+  std::vector<at::Tensor> outs;
+  if (l.entry && run_cached(*l.entry, l.f, l.arrays, outs)) {
     ++hits;
+    push_outputs(l.f, outs, stack, nargs);
     return;
   }
   ++misses;
-  run_python(f, keyed ? &key : nullptr, stack);
+  run_python(l.f, l.keyed ? &l.key : nullptr, stack);
 }
 
 // Called by the Python path (while it resolves a miss of this thread) with its prepared launch.
@@ -319,6 +338,121 @@ std::vector<int64_t> ext_info() {
 }
 
 }  // namespace
+
+
+#ifdef CUPY_ROPE_PYTHON
+// The fast entry (built where Python's headers are found): a Python function that serves a
+// cached call of one of kFastOps straight from Python, without the dispatcher's argument boxing:
+// fast(op index, *op arguments) -> the op's outputs (a tensor, a tuple of two, a list), True
+// (in-place ops: done) or None (not served: a miss, or an argument it does not take; the caller
+// then calls the op). The caller keeps the dispatcher's other duties: only plain CUDA tensors,
+// no autograd, no dispatch modes, not while compiling; in-place callers bump version counters.
+namespace {
+
+const char* const kFastOps[] = {"cupy_rope::_rope_impl", "cupy_rope::_rope_qk_impl", "cupy_rope::rope_qk_",
+                                "cupy_rope::_rope_pos_impl", "cupy_rope::rope_pos_"};
+constexpr size_t kNumFastOps = sizeof(kFastOps) / sizeof(kFastOps[0]);
+
+const c10::OperatorHandle& fast_op(size_t i) {
+  static const std::vector<c10::OperatorHandle> ops = [] {
+    std::vector<c10::OperatorHandle> v;
+    for (const char* name : kFastOps) v.push_back(c10::Dispatcher::singleton().findSchemaOrThrow(name, ""));
+    return v;
+  }();
+  return ops[i];
+}
+
+// A Python argument as the IValue the dispatcher would make of it; false for any other kind of
+// argument (the call is then left to the dispatcher, which validates it).
+bool to_ivalue(PyObject* o, c10::IValue& v) {
+  if (o == Py_None) {
+    v = c10::IValue();
+  } else if (THPVariable_CheckExact(o)) {
+    v = THPVariable_Unpack(o);
+  } else if (PyBool_Check(o)) {
+    v = o == Py_True;
+  } else if (PyLong_CheckExact(o)) {
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0 || (x == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    v = static_cast<int64_t>(x);
+  } else if (PyUnicode_CheckExact(o)) {
+    Py_ssize_t n = 0;
+    const char* c = PyUnicode_AsUTF8AndSize(o, &n);
+    if (c == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    v = std::string(c, static_cast<size_t>(n));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+PyObject* fast_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || !PyLong_CheckExact(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "cupy_rope fast entry: expected (op index, *arguments)");
+    return nullptr;
+  }
+  const size_t index = PyLong_AsSize_t(args[0]);
+  if (PyErr_Occurred() || index >= kNumFastOps) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "cupy_rope fast entry: op index out of range");
+    return nullptr;
+  }
+  try {
+    const c10::OperatorHandle& op = fast_op(index);
+    const size_t n = op.schema().arguments().size();
+    if (static_cast<size_t>(nargs - 1) != n) Py_RETURN_NONE;
+    std::vector<c10::IValue> stack(n);
+    for (size_t j = 0; j < n; ++j)
+      if (!to_ivalue(args[j + 1], stack[j])) Py_RETURN_NONE;
+    Lookup l = lookup(op, stack);
+    std::vector<at::Tensor> outs;
+    if (!l.entry || !run_cached(*l.entry, l.f, l.arrays, outs)) Py_RETURN_NONE;
+    ++hits;
+    switch (l.f) {
+      case ROPE: return THPVariable_Wrap(std::move(outs[0]));
+      case QK: return Py_BuildValue("(NN)", THPVariable_Wrap(std::move(outs[0])), THPVariable_Wrap(std::move(outs[1])));
+      case POS: {
+        PyObject* list = PyList_New(static_cast<Py_ssize_t>(outs.size()));
+        if (list == nullptr) return nullptr;
+        for (size_t k = 0; k < outs.size(); ++k)
+          PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), THPVariable_Wrap(std::move(outs[k])));
+        return list;
+      }
+      default: Py_RETURN_TRUE;
+    }
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef kFastDef = {"fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call)),
+                        METH_FASTCALL, "cupy_rope's fast entry into the C++ launch cache"};
+
+}  // namespace
+
+// (the fast entry, the names of the ops it serves by index) for cupy_rope/_torch_ext.py.
+extern "C" __attribute__((visibility("default"))) PyObject* cupy_rope_torch_fast() {
+  PyObject* fn = PyCFunction_New(&kFastDef, nullptr);
+  PyObject* names = PyTuple_New(static_cast<Py_ssize_t>(kNumFastOps));
+  if (fn == nullptr || names == nullptr) {
+    Py_XDECREF(fn);
+    Py_XDECREF(names);
+    return nullptr;
+  }
+  for (size_t i = 0; i < kNumFastOps; ++i) PyTuple_SET_ITEM(names, static_cast<Py_ssize_t>(i), PyUnicode_FromString(kFastOps[i]));
+  return Py_BuildValue("(NN)", fn, names);
+}
+#endif
 
 TORCH_LIBRARY_FRAGMENT(cupy_rope, m) {
   m.def("_ext_put(int fn, int gx, int gy, int block, bool pdl, int[] params, int[] blocks, int[] slot_counts, "
