@@ -253,7 +253,7 @@ def _route_types_match(name, args) -> bool:
         if t is _T or t is _TN:
             if not (type(a) is torch.Tensor or (a is None and t is _TN)):
                 return False
-        elif type(a) is not t:
+        elif type(a) is not t or (t is int and not -2**63 <= a < 2**63):  # the op's int is int64
             return False
     return len(args) == len(_ROUTE_TYPES[name])
 

@@ -288,7 +288,7 @@ def test_gpu_fast_entry_and_the_public_api_route(dtype, monkeypatch):
             want_qk = cupy_rope.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
             want_pos = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=128)
         for rep in range(3):
-            before, before_native = _hits(), cupy_rope.cache_info()["native_hits"]
+            before, before_native = _hits(), cupy_rope._api.cache_info()["native_hits"]
             assert torch.equal(crt.apply_rope(q, f, "bshd", start_positions=sp), want)
             gq, gk = crt.apply_rope_qk(q, k, f, "bshd", start_positions=sp)
             assert torch.equal(gq, want_qk[0]) and torch.equal(gk, want_qk[1])
@@ -307,7 +307,7 @@ def test_gpu_fast_entry_and_the_public_api_route(dtype, monkeypatch):
             assert torch.equal(iq, want_pos[0]) and torch.equal(ik, want_pos[1])
             if rep:
                 assert _hits() == before + 7
-                assert cupy_rope.cache_info()["native_hits"] == before_native + 7
+                assert cupy_rope._api.cache_info()["native_hits"] == before_native + 7
     # a signature not cached yet: not served by the fast entry (the op then validates and caches it)
     x = torch.randn(3, 1, 2, 128, device="cuda", dtype=dt)
     i = ext.FAST_INDEX["_rope_impl"]
