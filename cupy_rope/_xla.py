@@ -121,12 +121,14 @@ def _ptr(buf) -> int:
 
 
 def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
-    """Launch a kernel in a buffer_callback on XLA's stream, into the buffers XLA allocated.
+    """Launch a kernel on XLA's stream, into the buffers XLA allocated: through the FFI handler
+    (planned here, at trace time) or a buffer callback (planned at its first run).
 
     ``in_slots[i]`` / ``out_slots[j]``: the (address name, byte offset) pairs that input ``i``
     (``None`` entries of ``arrays`` give address 0) and output ``j`` provide. ``build(addr,
-    device)`` returns the LaunchSpec for the addresses ``addr`` (a dict); it runs once per
-    address alignment and device, later calls only patch the addresses into the prepared launch.
+    device)`` returns the LaunchSpec for the addresses ``addr`` (a dict): for the FFI handler once,
+    at 16-byte aligned planning addresses; for the callback once per address alignment and device,
+    later calls only patch the addresses into the prepared launch.
     """
     if FFI and ffi_library() is not None:
         res = _ffi_call(result_shapes, arrays, in_slots, out_slots, build)
