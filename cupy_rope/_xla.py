@@ -130,8 +130,9 @@ def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
     at 16-byte aligned planning addresses; for the callback once per address alignment and device,
     later calls only patch the addresses into the prepared launch.
     """
-    if FFI and ffi_library() is not None:
-        res = _ffi_call(result_shapes, arrays, in_slots, out_slots, build)
+    lib = ffi_library() if FFI else None
+    if lib is not None:
+        res = _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build)
         if res is not None:
             return res
     from jax.experimental.buffer_callback import buffer_callback
@@ -167,8 +168,8 @@ def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
 _FAKE_BASE = 1 << 40  # planning addresses: buffer i at (i + 1) << 40, far apart and 16-byte aligned
 
 
-def _ffi_call(result_shapes, arrays, in_slots, out_slots, build):
-    """:func:`gpu_call` through the FFI handler; None when the GPUs differ in what the plan
+def _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build):
+    """:func:`gpu_call` through the FFI handler (``lib``); None when the GPUs differ in what the plan
     depends on (SM count, programmatic launches): the callback path plans per device."""
     import jax
 
@@ -193,7 +194,6 @@ def _ffi_call(result_shapes, arrays, in_slots, out_slots, build):
         for w in spec.slots.get(n, ()):
             words[w] = off
             slot_list += [b, w]
-    lib = ffi_library()
     for d in devices:
         if (spec.name, d) not in _registered:
             lib.cupy_rope_xla_register(spec.name.encode(), d, _launch.function(spec.name, d)[0])

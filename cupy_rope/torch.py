@@ -241,36 +241,41 @@ _EXT = _torch_ext.load()
 _FAST, _FAST_INDEX = _torch_ext.FAST, _torch_ext.FAST_INDEX
 
 
-_T, _TN = "tensor", "tensor or None"
-# The argument types of the ops the public API's calls take (exact types: anything else, e.g. an
-# array of another framework or a numpy bool, stays on the public API's path and its errors).
-_ROUTE_TYPES = {"rope": (_T, _T, str, bool, _TN, _TN, int, int, bool, bool),
-                "rope_qk": (_T, _T, _T, str, bool, _TN, _TN, int, int, bool)}
+def _schema_types(op) -> tuple:
+    """The Python types each argument of ``op``'s schema takes (None: a tensor, or None where the
+    schema says ``Tensor?``)."""
+    kinds = {"Tensor": (torch.Tensor,), "Optional[Tensor]": (torch.Tensor, type(None)), "str": (str,),
+             "bool": (bool,), "int": (int,)}
+    return tuple(kinds[str(a.type)] for a in op._schema.arguments)
 
 
-def _route_types_match(name, args) -> bool:
-    for a, t in zip(args, _ROUTE_TYPES[name]):
-        if t is _T or t is _TN:
-            if not (type(a) is torch.Tensor or (a is None and t is _TN)):
-                return False
-        elif type(a) is not t or (t is int and not -2**63 <= a < 2**63):  # the op's int is int64
-            return False
-    return len(args) == len(_ROUTE_TYPES[name])
+def _types_match(op, args) -> bool:
+    """Whether ``args`` have exactly the types of ``op``'s schema (ints within int64); anything
+    else (an array of another framework, a numpy bool) stays on the public API's path and errors."""
+    types = _ROUTE_TYPES[op]
+    return len(args) == len(types) and all(
+        type(a) in t and (type(a) is not int or -2**63 <= a < 2**63) for a, t in zip(args, types))
+
+
+_ROUTE_TYPES = {op: _schema_types(op) for op in (_ROPE_IMPL, _ROPE_QK_IMPL)}
 
 
 def _public_route(name, lead, *args):
     """The public API's calls on plain CUDA tensors (``cupy_rope._launch.NATIVE``) through the C++
-    path: a hit of its cache, else the autograd-free op, whose miss validates, launches and
-    prepares the C++ launch. None (the public API's own path) while this thread resolves a miss,
-    for arguments of other types than the op's, and for tensors that require grad (the public
-    API returns tensors without autograd history)."""
-    arrays = args[:1] if name == "rope" else args[:2]
-    if (_torch_ext.resolving_now() or not _plain_cuda(lead) or not _route_types_match(name, args)
-            or _needs_grad(*arrays)):
+    path: a hit of its cache (whose key holds the argument types of the call the op validated),
+    else the autograd-free op, whose miss validates, launches and prepares the C++ launch. None
+    (the public API's own path) while this thread resolves a miss, and on a miss for arguments of
+    other types than the op's or tensors that require grad (the public API returns tensors
+    without autograd history)."""
+    if _torch_ext.resolving_now() or not _plain_cuda(lead):
         return None
     op = _ROPE_IMPL if name == "rope" else _ROPE_QK_IMPL
     res = _fast(op, *args)
-    return op(*args) if res is None else res
+    if res is not None:
+        return res
+    if not _types_match(op, args) or _needs_grad(*(args[:1] if name == "rope" else args[:2])):
+        return None
+    return op(*args)
 
 
 if _EXT:

@@ -331,3 +331,40 @@ def test_gpu_fast_entry_and_the_public_api_route(dtype, monkeypatch):
     import cupy
 
     assert torch.equal(cupy_rope.apply_rope(x, cupy.from_dlpack(f)), crt.apply_rope(x, f))  # a CuPy table
+
+
+def test_public_route_logic_on_the_cpu(monkeypatch):
+    """The public API's route through the C++ path (``cupy_rope.torch._public_route``), with the
+    fast entry and the plain-CUDA check replaced: a hit is returned as is (its key holds the types
+    of a call the op validated); on a miss, arguments of the op's exact types run the op (here its
+    CPU kernel), anything else (a numpy bool, an int beyond int64, a tensor that requires grad)
+    and a call made while a miss is being resolved go back to the public API's path (None)."""
+    import cupy_rope.torch as crt
+    from cupy_rope import _torch_ext
+
+    calls = []
+    hit = object()
+
+    def fake_fast(index, *args):
+        calls.append(index)
+        return hit if args[2] == "bshd" else None  # "cached": the bshd calls
+
+    monkeypatch.setattr(crt, "_FAST", fake_fast)
+    monkeypatch.setattr(crt, "_FAST_INDEX", {"_rope_impl": 0, "_rope_qk_impl": 1})
+    monkeypatch.setattr(crt, "_plain_cuda", lambda t: True)
+    f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+    x = torch.randn(8, 2, 4, 64)
+    args = (f, "sbhd", False, None, None, 1, 0, False, False)
+    assert crt._public_route("rope", x, x, f, "bshd", np.bool_(False), None, None, 1, 0, False, False) is hit
+    y = crt._public_route("rope", x, x, *args)
+    assert torch.equal(y, cupy_rope.apply_rope(x, f))  # a miss: the op ran
+    q, k = crt._public_route("rope_qk", x, x, x[:, :, :1], f, "sbhd", False, None, None, 1, 0, False)
+    assert torch.equal(q, y) and torch.equal(k, y[:, :, :1])
+    assert calls == [0, 0, 1]
+    assert crt._public_route("rope", x, x, f, "sbhd", np.bool_(False), None, None, 1, 0, False, False) is None
+    assert crt._public_route("rope", x, x, f, "sbhd", False, None, None, 2**64, 0, False, False) is None
+    assert crt._public_route("rope", x, x.requires_grad_(True), *args) is None
+    monkeypatch.setattr(_torch_ext._state, "on", True, raising=False)
+    n = len(calls)
+    assert crt._public_route("rope", x, x, f, "bshd", False, None, None, 1, 0, False, False) is None
+    assert len(calls) == n
