@@ -2,12 +2,15 @@
 //
 // Included before the kernel sources and compiled with g++ (cupy_rope/_hostkernels.py).
 // Each kernel entry point becomes an extern "C" function NAME(grid, block, params) that runs
-// every (block, thread) of the launch in order. The kernels use no shared memory, barriers
-// or warp intrinsics, so a sequential run computes what the GPU computes.
+// every (block, thread) of the launch in order. The kernels use no barriers or warp intrinsics,
+// and shared memory only as slots private to each thread (the asynchronous row ring, copied at
+// once here), so a sequential run computes what the GPU computes.
 #pragma once
 #include <cmath>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#define CUPY_ROPE_RING_STORAGE static thread_local
 
 #ifndef __noinline__
 #define __noinline__ __attribute__((noinline))

@@ -5,7 +5,7 @@
 // q [tokens, g*n, d], k [tokens, g, d], v [tokens, g, d]; backward reads dq, dk, dv once and
 // writes the packed gradient. One thread per (token, group, chunk, unit): chunk c of C holds the
 // group's rows r = c, c + C, ... of its n + 2 rows (r < n: query head r, rotated with the q table;
-// r == n: the key head, k table; r == n + 1: the value head, copied), streamed by stream_rows with
+// r == n: the key head, k table; r == n + 1: the value head, copied), streamed by stream_unit with
 // the q table's cos/sin held (also for the key row when k_freqs is q_freqs).
 #include "rope_common.cuh"
 

@@ -3,9 +3,10 @@
 // Thread mapping: one thread per (token, head chunk, unit). A unit is 2V channels of a rotary
 // pair set (or 1-2 vectors of tail channels); chunk c of C holds the heads c, c + C, c + 2C, ...
 // so that the lanes of a warp touch neighbouring heads at each step. The thread computes the
-// token's position and the unit's cos/sin once, then streams its rows (stream_rows: the next
-// rows' loads are in flight while the current one is rotated and stored). Each element is read
-// once and written once.
+// token's position and the unit's cos/sin once, then streams its rows (stream_unit: the next
+// rows' loads are in flight while the current one is rotated and stored; 16-byte vectors fly
+// through the thread's shared-memory ring, their first rows while the cos/sin are computed).
+// Each element is read once and written once.
 #include "rope_common.cuh"
 
 namespace cupy_rope {

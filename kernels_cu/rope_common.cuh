@@ -419,8 +419,9 @@ __device__ __forceinline__ void table_sincos(i64 kind, i64 addr, i64 pos, i64 sr
   }
 }
 
-// Rows a thread keeps loading ahead of the row it processes (Rows::kDepth; measured on the H200,
-// benchmarks/NOTES.md): rope kernels 2, QKV kernels 1 (more registers there).
+// Rows a thread keeps loading ahead of the row it processes in registers (Rows::kDepth; vectors
+// under 16 bytes, or CUPY_ROPE_ASYNC 0; measured on the H200, benchmarks/NOTES.md): rope kernels
+// 2, QKV kernels 1 (more registers there).
 #ifndef CUPY_ROPE_DEPTH
 #define CUPY_ROPE_DEPTH 2
 #endif
@@ -429,12 +430,154 @@ __device__ __forceinline__ void table_sincos(i64 kind, i64 addr, i64 pos, i64 sr
 #endif
 constexpr int kAnyMode = -1;
 
+// Rows in flight through shared memory (CUPY_ROPE_ASYNC = 1, the default): the rows' 16-byte
+// vectors are fetched by asynchronous copies (cp.async, sm_80 and later) into a ring of slots
+// private to each thread, CUPY_ROPE_ASYNC_DEPTH rows ahead of the row being rotated, so that the
+// loads in flight hold no registers (measured against the register loop and other depths on the
+// H200: benchmarks/NOTES.md). Each thread reads back only its own slots (no barrier). The host
+// build copies at once (host_shim.h: CUPY_ROPE_RING_STORAGE, a thread's ring in host memory).
+#ifndef CUPY_ROPE_BLOCK  // threads per block (the launch layer's _kernels.BLOCK)
+#define CUPY_ROPE_BLOCK 256
+#endif
+#ifndef CUPY_ROPE_ASYNC
+#define CUPY_ROPE_ASYNC 1
+#endif
+#ifndef CUPY_ROPE_ASYNC_DEPTH
+#define CUPY_ROPE_ASYNC_DEPTH 2
+#endif
+#ifndef CUPY_ROPE_RING_STORAGE
+#define CUPY_ROPE_RING_STORAGE __shared__
+#endif
+#if CUPY_ROPE_ASYNC
+// Slot (j, vector w) of thread t: word (2 j + w) * blockDim.x + t of ring_slots (consecutive
+// threads, consecutive 16-byte words: conflict-free).
+CUPY_ROPE_RING_STORAGE uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
+#endif
+
+// A ring word's address: a 32-bit shared-memory address on the device, a pointer in the host build.
+#if defined(__CUDA_ARCH__)
+typedef unsigned RingAddr;
+constexpr unsigned kRingWord = 16;
+__device__ __forceinline__ RingAddr ring_addr(uint4* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void async_copy16(RingAddr dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  // .ca (through L1), not .cg: a unit's two vectors often share a 32-byte sector (interleaved
+  // pairs, pass-through channels, rows of 80 channels), and the second copy then hits L1;
+  // with .cg such shapes lost 7-16 points of the copy's speed (benchmarks/NOTES.md).
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#else  // no asynchronous copies: a load and a store (same results, nothing in flight)
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#endif
+}
+__device__ __forceinline__ uint4 ring_read(RingAddr a) {
+  uint4 r;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a) : "memory");
+  return r;
+}
+#else
+typedef uint4* RingAddr;
+constexpr unsigned kRingWord = 1;
+inline RingAddr ring_addr(uint4* p) { return p; }
+inline void async_copy16(RingAddr dst, const void* src) { *dst = *reinterpret_cast<const uint4*>(src); }
+inline uint4 ring_read(RingAddr a) { return *a; }
+#endif
+__device__ __forceinline__ void async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Wait until at most N committed groups of this thread are pending.
+template <int N> __device__ __forceinline__ void async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// The rotation of one row in registers (stream_rows' step): a, b rotated in place by the mode.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
+__device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const float* cm, const float* sm,
+                                           const OutRow<T>& o, i64 c0, i64 c1) {
+  if (PAIR && mode != kCopy) {
+    float v[2 * V];
+    to_floats<T, V>(a, v);
+    to_floats<T, V>(b, v + V);
+    if (mode == kHeld) {
+      rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
+    } else {
+      rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
+    }
+    from_floats<T, V>(v, a);
+    from_floats<T, V>(v + V, b);
+  }
+}
+
+#if CUPY_ROPE_ASYNC
+// A thread's ring: CUPY_ROPE_ASYNC_DEPTH + 1 slots of two 16-byte vectors. Rows are issued into
+// the slots in order (fill) and read back in order (s).
+struct Ring {
+  RingAddr base;
+  unsigned nb;  // from a slot's first vector to its second
+  int fill, s;  // slot of the next row to issue, of the next row to read
+  static constexpr int D = CUPY_ROPE_ASYNC_DEPTH, S = D + 1;
+  __device__ __forceinline__ void step(int& i) { i = i == S - 1 ? 0 : i + 1; }
+  template <typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, int k, bool pair) {
+    const T *p0, *p1;
+    rows.in(k, p0, p1);
+    const RingAddr at = base + 2 * fill * nb;
+    async_copy16(at, p0);
+    if (pair) async_copy16(at + nb, p1);
+    step(fill);
+  }
+};
+
+__device__ __forceinline__ Ring ring_open() {
+  return Ring{ring_addr(ring_slots + threadIdx.x), blockDim.x * kRingWord, 0, 0};
+}
+
+// Rows 0 .. D - 1 issued (one commit group each, empty past cnt).
+template <typename T, class Rows>
+__device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pair) {
+#pragma unroll
+  for (int j = 0; j < Ring::D; ++j) {
+    if (j < cnt) r.issue<T>(rows, j, pair);
+    async_commit();
+  }
+}
+
+// stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
+__device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
+                                            i64 c1) {
+  static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
+  for (int k = 0; k < cnt; ++k) {
+    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, PAIR);  // into the slot of row k - 1, read back
+    async_commit();
+    async_wait<Ring::D>();  // row k's group is complete
+    const RingAddr at = r.base + 2 * r.s * r.nb;
+    r.step(r.s);
+    Vec<T, V> a, b;
+    const uint4 qa = ring_read(at);
+    a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
+    if (PAIR) {
+      const uint4 qb = ring_read(at + r.nb);
+      b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
+    }
+    const OutRow<T> o = rows.out(k);
+    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a, b, cm, sm, o, c0, c1);
+    store_vec<T, V>(o.p0, a);
+    if (PAIR) store_vec<T, V>(o.p1, b);
+  }
+}
+#endif
+
 // One thread's work: rows k = 0 .. cnt-1 (cnt >= 1) of one unit (c0, c1: its channels). `rows`
 // gives each row's input vectors (rows.in(k, p0, p1)) and its OutRow (rows.out(k)), called for
-// k in increasing order. Row k + Rows::kDepth is loaded before row k is processed and stored, so that
-// every thread always has loads in flight. PAIR: two vectors per unit (otherwise one: a tail
-// unit, copied). MODE: every row's mode when known here (a loop per mode keeps each lean), or
-// kAnyMode (each row's own). cm/sm: the held cos/sin. Every element is read once and written once.
+// k in increasing order. Row k + Rows::kDepth is loaded (into registers) before row k is processed
+// and stored, so that every thread always has loads in flight. PAIR: two vectors per unit
+// (otherwise one: a tail unit, copied). MODE: every row's mode when known here (a loop per mode
+// keeps each lean), or kAnyMode (each row's own). cm/sm: the held cos/sin. Every element is read
+// once and written once. (ring_stream is the same loop over the shared-memory ring.)
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
                                             i64 c1) {
@@ -458,19 +601,7 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      const int mode = MODE == kAnyMode ? o.mode : MODE;
-      if (PAIR && mode != kCopy) {
-        float v[2 * V];
-        to_floats<T, V>(a[s], v);
-        to_floats<T, V>(b[s], v + V);
-        if (mode == kHeld) {
-          rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
-        } else {
-          rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
-        }
-        from_floats<T, V>(v, a[s]);
-        from_floats<T, V>(v + V, b[s]);
-      }
+      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
       if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
@@ -499,11 +630,34 @@ __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
 }
 
 // A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
-// the rows' modes; then stream_rows, with one loop per mode when every row has the thread's
-// mode (Rows::kUniform: rows.mode), or one loop over rows of mixed modes.
+// the rows' modes; then stream_rows (16-byte vectors with CUPY_ROPE_ASYNC: ring_stream, the first
+// rows issued before init), with one loop per mode when every row has the thread's mode
+// (Rows::kUniform: rows.mode), or one loop over rows of mixed modes.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
 __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;
+#if CUPY_ROPE_ASYNC
+  if constexpr (Vec<T, V>::kBytes == 16) {
+    // The first rows' copies fly while init computes the position and cos/sin (they hold no
+    // registers); the rare kFresh rows stream here too (rotate_fresh per row).
+    Ring ring = ring_open();
+    ring_prime<T>(ring, cnt, rows, pair);
+    float cm[V], sm[V];
+    init(cm, sm);
+    if (!pair) {
+      ring_stream<T, V, INTERLEAVED, BACKWARD, false, kCopy>(ring, cnt, rows, cm, sm, c0, c1);
+    } else if constexpr (!Rows::kUniform) {
+      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kAnyMode>(ring, cnt, rows, cm, sm, c0, c1);
+    } else if (rows.mode == kHeld) {
+      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kHeld>(ring, cnt, rows, cm, sm, c0, c1);
+    } else if (rows.mode == kFresh) {
+      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kFresh>(ring, cnt, rows, cm, sm, c0, c1);
+    } else {
+      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kCopy>(ring, cnt, rows, cm, sm, c0, c1);
+    }
+    return;
+  }
+#endif
   float cm[V], sm[V];
   init(cm, sm);
   if (!pair) {  // a tail unit of one vector: copied
@@ -548,9 +702,6 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 
 // Kernel entry points: one extern "C" function per instantiation (names in cupy_rope/_kernels.py).
 // The host build (host_shim.h) defines CUPY_ROPE_ENTRY itself.
-#ifndef CUPY_ROPE_BLOCK
-#define CUPY_ROPE_BLOCK 256
-#endif
 // Resident blocks per SM the compiler must allow (caps registers per thread: 4 -> 64, 3 -> 80).
 #ifndef CUPY_ROPE_MIN_BLOCKS
 #define CUPY_ROPE_MIN_BLOCKS 4
