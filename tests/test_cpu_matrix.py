@@ -113,15 +113,16 @@ def test_in_place_and_out():
 @pytest.mark.parametrize("table", ["standard", "general"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_host_kernel_row_chunks(dtype, table, monkeypatch):
-    """Many heads streamed by one thread (row counts around and far past the rows kept in
-    flight), with cos/sin held (a standard table: the angles of each pair equal) or computed
+    """Many heads streamed by one thread (row counts 1 to 4 around the rows kept in flight, in
+    registers or in the shared-memory ring, and far past them), with cos/sin held (a standard table: the angles of each pair equal) or computed
     per row (a general table); tail units of one and of two vectors."""
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
     rng = np.random.default_rng(9)
     for shape, layout, d2 in (((5, 2, 301, 64), "sbhd", 48), ((37, 7, 64), "thd", 40),
-                              ((3, 13, 2, 64), "bshd", 32), ((4, 2, 4, 64), "sbhd", 64)):
+                              ((3, 13, 2, 64), "bshd", 32), ((4, 2, 4, 64), "sbhd", 64),
+                              ((6, 1, 1, 64), "sbhd", 64), ((2, 5, 3, 64), "bshd", 48)):
         x = rng.uniform(-2, 2, shape).astype(NP_DTYPES[dtype])
         f = rng.uniform(-9, 9, (40, 1, 1, d2)).astype(np.float32)
         if table == "standard":
