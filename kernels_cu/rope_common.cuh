@@ -629,6 +629,28 @@ __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
   }
 }
 
+// The streaming loop a unit's rows take, as a tag Loop<PAIR, MODE> passed to `run`: a tail unit
+// of one vector (copied), rows of mixed modes (!Rows::kUniform), or one loop per mode when every
+// row has the thread's mode (rows.mode, set by init).
+template <bool PAIR, int MODE> struct Loop {
+  static constexpr bool kPair = PAIR;
+  static constexpr int kMode = MODE;
+};
+template <class Rows, class Run>
+__device__ __forceinline__ void for_mode(bool pair, const Rows& rows, Run run) {
+  if (!pair) {
+    run(Loop<false, kCopy>{});
+  } else if constexpr (!Rows::kUniform) {
+    run(Loop<true, kAnyMode>{});
+  } else if (rows.mode == kHeld) {
+    run(Loop<true, kHeld>{});
+  } else if (rows.mode == kFresh) {
+    run(Loop<true, kFresh>{});
+  } else {
+    run(Loop<true, kCopy>{});
+  }
+}
+
 // A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
 // the rows' modes; then stream_rows (16-byte vectors with CUPY_ROPE_ASYNC: ring_stream, the first
 // rows issued before init), with one loop per mode when every row has the thread's mode
@@ -636,43 +658,30 @@ __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
 __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;
+  float cm[V], sm[V];
 #if CUPY_ROPE_ASYNC
   if constexpr (Vec<T, V>::kBytes == 16) {
     // The first rows' copies fly while init computes the position and cos/sin (they hold no
     // registers); the rare kFresh rows stream here too (rotate_fresh per row).
     Ring ring = ring_open();
     ring_prime<T>(ring, cnt, rows, pair);
-    float cm[V], sm[V];
     init(cm, sm);
-    if (!pair) {
-      ring_stream<T, V, INTERLEAVED, BACKWARD, false, kCopy>(ring, cnt, rows, cm, sm, c0, c1);
-    } else if constexpr (!Rows::kUniform) {
-      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kAnyMode>(ring, cnt, rows, cm, sm, c0, c1);
-    } else if (rows.mode == kHeld) {
-      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kHeld>(ring, cnt, rows, cm, sm, c0, c1);
-    } else if (rows.mode == kFresh) {
-      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kFresh>(ring, cnt, rows, cm, sm, c0, c1);
-    } else {
-      ring_stream<T, V, INTERLEAVED, BACKWARD, true, kCopy>(ring, cnt, rows, cm, sm, c0, c1);
-    }
+    for_mode(pair, rows, [&](auto loop) {
+      using L = decltype(loop);
+      ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1);
+    });
     return;
   }
 #endif
-  float cm[V], sm[V];
   init(cm, sm);
-  if (!pair) {  // a tail unit of one vector: copied
-    stream_rows<T, V, INTERLEAVED, BACKWARD, false, kCopy>(cnt, rows, cm, sm, c0, c1);
-  } else if constexpr (!Rows::kUniform) {
-    stream_rows<T, V, INTERLEAVED, BACKWARD, true, kAnyMode>(cnt, rows, cm, sm, c0, c1);
-  } else {
-    if (rows.mode == kHeld) {
-      stream_rows<T, V, INTERLEAVED, BACKWARD, true, kHeld>(cnt, rows, cm, sm, c0, c1);
-    } else if (rows.mode == kFresh) {
+  for_mode(pair, rows, [&](auto loop) {
+    using L = decltype(loop);
+    if constexpr (L::kMode == kFresh) {
       fresh_rows<T, V, INTERLEAVED, BACKWARD>(cnt, rows, c0, c1);
     } else {
-      stream_rows<T, V, INTERLEAVED, BACKWARD, true, kCopy>(cnt, rows, cm, sm, c0, c1);
+      stream_rows<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(cnt, rows, cm, sm, c0, c1);
     }
-  }
+  });
 }
 
 // Channels of unit u of a row: rotary units (u < n_rot) hold V pairs (unit_bases); tail units

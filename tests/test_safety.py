@@ -304,3 +304,37 @@ def test_out_overlap_boundaries():
     for a, b in ((xi, shared), (shared, xi)):
         with pytest.raises(ValueError, match="`out`"):
             cupy_rope.apply_rope(a, F, out=b)
+
+
+def test_host_runs_fault_past_an_arrays_end():
+    """The host runs' guarded memory (hostkernels.fenced), which turns a kernel's read past the end
+    of an array into a stopped process: the copies keep values, strides and 16-byte alignment,
+    written arrays come back, reading an array's last element is fine, and 16 bytes past its end
+    (any gap before the guard page is under 16 bytes) stops the process."""
+    import signal
+    import subprocess
+    import sys
+
+    code = """if True:
+        import ctypes
+        import numpy as np
+        from cupy_rope._dev.hostkernels import fenced
+        bounds = np.lib.array_utils.byte_bounds
+        base = np.arange(40, dtype=np.float32).reshape(5, 8)
+        x = base[:, 1:7]
+        y = np.zeros((5, 6), np.float32)
+        with fenced((x, y, None, x[1:]), writes=(1,)) as (fx, fy, none, fx1):
+            assert none is None and fx.strides == x.strides and (fx == x).all()
+            assert fx.ctypes.data % 16 == x.ctypes.data % 16 and fx1.ctypes.data == fx.ctypes.data + 32
+            fy[...] = fx * 2
+            ctypes.string_at(bounds(fx)[1] - 4, 4)
+            assert (y == 0).all()
+        assert (y == x * 2).all()
+        print("ok", flush=True)
+        with fenced((x,)) as (fx,):
+            ctypes.string_at(bounds(fx)[1] + 16, 4)
+        print("not stopped", flush=True)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["ok"], (r.stdout, r.stderr)
+    assert r.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (r.returncode, r.stderr[-2000:])

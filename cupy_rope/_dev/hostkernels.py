@@ -3,13 +3,17 @@
 For machines without a GPU (CI): ``kernels_cu/host_shim.h`` turns each kernel entry point
 into a host function that loops over the grid, so the kernels' index math, vector paths and
 arithmetic run unchanged and can be compared with the NumPy reference. The launch plan and
-its packed parameter struct are the ones the GPU path uses. Not used by the library itself.
+its packed parameter struct are the ones the GPU path uses. The ``run_*`` helpers run the kernels
+on copies of their arrays placed before an inaccessible page (``fenced``), so that a read or
+write past an array's end stops the process. Not used by the library itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import mmap
 import os
 from pathlib import Path
 
@@ -104,6 +108,74 @@ def launch(name: str, grid: tuple, block: int, params: bytes) -> None:
     getattr(library(), name)(grid[0], grid[1], block, params)
 
 
+# ----------------------------------------------------------------------------- guarded memory
+_PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE  # mprotect's flags (POSIX)
+
+
+def _mprotect():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).mprotect
+    except (OSError, AttributeError):  # pragma: no cover - no mprotect (not a POSIX system)
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return f
+
+
+_MPROTECT = _mprotect()
+
+
+@contextlib.contextmanager
+def fenced(arrays, writes=()):
+    """The kernels' arrays moved next to an inaccessible page, so that a read or write past the
+    end of an array's memory faults (the process stops) instead of passing unseen.
+
+    ``arrays``: NumPy arrays or None. Arrays whose memory overlaps (a view and its base, q and k
+    views of one projection, an in-place output) share one copy of their joint extent, placed so
+    that it ends at most 15 bytes before the page (every address keeps its alignment modulo 16,
+    which the launch plan's vector width depends on). Yields the arrays' copies, same order; on
+    exit the extents holding an array whose index is in ``writes`` are copied back."""
+    if _MPROTECT is None:  # pragma: no cover
+        yield list(arrays)
+        return
+    spans = []
+    for i, a in enumerate(arrays):
+        if isinstance(a, np.ndarray) and a.size:
+            lo, hi = np.lib.array_utils.byte_bounds(a)
+            spans.append([lo, hi, [i]])
+    spans.sort()
+    regions = []
+    for lo, hi, idx in spans:
+        if regions and lo < regions[-1][1]:
+            regions[-1][1] = max(regions[-1][1], hi)
+            regions[-1][2] += idx
+        else:
+            regions.append([lo, hi, idx])
+    out, maps = list(arrays), []
+    try:
+        for lo, hi, idx in regions:
+            gap = -hi % 16
+            data = -(-(hi - lo + gap) // _PAGE) * _PAGE
+            mm = mmap.mmap(-1, data + _PAGE)
+            buf = np.frombuffer(mm, np.uint8)
+            base = buf.ctypes.data
+            start = data - gap - (hi - lo)
+            if _MPROTECT(base + data, _PAGE, _PROT_NONE) != 0:  # pragma: no cover
+                raise OSError(ctypes.get_errno(), "mprotect")
+            ctypes.memmove(base + start, lo, hi - lo)
+            maps.append((mm, buf, base, lo, hi, start, idx))
+            for i in idx:
+                a = arrays[i]
+                out[i] = np.ndarray(a.shape, a.dtype, buf, start + a.ctypes.data - lo, a.strides)
+        yield out
+        for _, _, base, lo, hi, start, idx in maps:
+            if any(i in writes for i in idx):
+                ctypes.memmove(lo, base + start, hi - lo)
+    finally:
+        for mm, buf, base, *_ in maps:
+            _MPROTECT(base + len(buf) - _PAGE, _PAGE, _PROT_RW)
+
+
 def _np_info(a):
     return None if a is None else info(a, "numpy")
 
@@ -111,10 +183,10 @@ def _np_info(a):
 def run_rope(plan, x: np.ndarray, freqs: np.ndarray, cu=None, sp=None, out=None) -> np.ndarray:
     """Run the rope kernel for ``plan`` on NumPy arrays; returns ``out`` (new if None)."""
     y = np.empty(plan.shape, x.dtype) if out is None else out
-    name, grid, block, params = plan.launch(_np_info(x), _np_info(y), _np_info(freqs),
-                                            _np_info(cu), _np_info(sp), sm_count=4)
-    if x.size:
-        launch(name, grid, block, params)
+    with fenced((x, y, freqs, cu, sp), writes=(1,)) as arrays:
+        name, grid, block, params = plan.launch(*map(_np_info, arrays), sm_count=4)
+        if x.size:
+            launch(name, grid, block, params)
     return y
 
 
@@ -123,10 +195,11 @@ def run_rope_qk(plans, q: np.ndarray, k: np.ndarray, freqs: np.ndarray, cu=None,
     from .._worksplit import rope_launch
 
     outs = outs or tuple(np.empty(p.shape, a.dtype) for p, a in zip(plans, (q, k)))
-    spec = rope_launch(plans, [(_np_info(q), _np_info(outs[0])), (_np_info(k), _np_info(outs[1]))],
-                       _np_info(freqs), _np_info(cu), _np_info(sp), sm_count=4)
-    if q.size or k.size:
-        launch(*spec)
+    with fenced((q, outs[0], k, outs[1], freqs, cu, sp), writes=(1, 3)) as a:
+        i = list(map(_np_info, a))
+        spec = rope_launch(plans, [(i[0], i[1]), (i[2], i[3])], *i[4:], sm_count=4)
+        if q.size or k.size:
+            launch(*spec)
     return tuple(outs)
 
 
@@ -135,10 +208,12 @@ def run_rope_pos(plans, xs, table: np.ndarray, positions: np.ndarray, outs=None)
     from .._worksplit import rope_launch
 
     outs = outs or tuple(np.empty(x.shape, x.dtype) for x in xs)
-    spec = rope_launch(plans, [(_np_info(x), _np_info(y)) for x, y in zip(xs, outs)], _np_info(table),
-                       None, None, sm_count=4, ids=_np_info(positions))
-    if any(x.size for x in xs):
-        launch(*spec)
+    n = len(xs)
+    with fenced((*xs, *outs, table, positions), writes=range(n, 2 * n)) as a:
+        i = list(map(_np_info, a))
+        spec = rope_launch(plans, list(zip(i[:n], i[n:2 * n])), i[2 * n], None, None, sm_count=4, ids=i[2 * n + 1])
+        if any(x.size for x in xs):
+            launch(*spec)
     return tuple(outs)
 
 
@@ -153,9 +228,8 @@ def run_qkv(plan, arrays, q_freqs, k_freqs, cu=None, sp=None):
         q = np.empty(plan.q_shape, packed.dtype)
         k = np.empty(plan.kv_shape, packed.dtype)
         v = np.empty(plan.kv_shape, packed.dtype)
-    name, grid, block, params = plan.launch(_np_info(packed), _np_info(q), _np_info(k), _np_info(v),
-                                            _np_info(q_freqs), _np_info(k_freqs), _np_info(cu),
-                                            _np_info(sp), sm_count=4)
-    if packed.size:
-        launch(name, grid, block, params)
+    with fenced((packed, q, k, v, q_freqs, k_freqs, cu, sp), writes=(0,) if plan.backward else (1, 2, 3)) as a:
+        name, grid, block, params = plan.launch(*map(_np_info, a), sm_count=4)
+        if packed.size:
+            launch(name, grid, block, params)
     return packed if plan.backward else (q, k, v)
