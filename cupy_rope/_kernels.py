@@ -25,7 +25,7 @@ SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-BLOCK = 256  # threads per block; must equal CUPY_ROPE_BLOCK's default in rope_common.cuh
+BLOCK = 256  # threads per block; every build of the source gets it as CUPY_ROPE_BLOCK (defines())
 
 
 def param_blocks(name: str) -> int:
@@ -148,8 +148,10 @@ DEFINES: tuple[str, ...] = ()
 
 
 def defines() -> tuple[str, ...]:
-    """The tuning defines in effect (empty: the library's own build)."""
-    return tuple(DEFINES)
+    """Compiler defines of every build of the source: the block size the launch layer launches
+    with (``CUPY_ROPE_BLOCK``, which sizes the kernels' launch bounds and shared-memory ring), then
+    the tuning defines in effect (none in the library's own build)."""
+    return (f"-DCUPY_ROPE_BLOCK={BLOCK}",) + tuple(DEFINES)
 
 
 def source_hash() -> str:

@@ -436,7 +436,9 @@ constexpr int kAnyMode = -1;
 // loads in flight hold no registers (measured against the register loop and other depths on the
 // H200: benchmarks/NOTES.md). Each thread reads back only its own slots (no barrier). The host
 // build copies at once (host_shim.h: CUPY_ROPE_RING_STORAGE, a thread's ring in host memory).
-#ifndef CUPY_ROPE_BLOCK  // threads per block (the launch layer's _kernels.BLOCK)
+// Threads per block: cupy_rope passes the launch layer's (_kernels.BLOCK, in every build); the
+// default serves compiles of the source outside it.
+#ifndef CUPY_ROPE_BLOCK
 #define CUPY_ROPE_BLOCK 256
 #endif
 #ifndef CUPY_ROPE_ASYNC
