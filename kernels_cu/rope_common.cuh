@@ -654,9 +654,8 @@ __device__ __forceinline__ void for_mode(bool pair, const Rows& rows, Run run) {
 }
 
 // A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
-// the rows' modes; then stream_rows (16-byte vectors with CUPY_ROPE_ASYNC: ring_stream, the first
-// rows issued before init), with one loop per mode when every row has the thread's mode
-// (Rows::kUniform: rows.mode), or one loop over rows of mixed modes.
+// the rows' modes; then the loop for_mode picks: ring_stream (16-byte vectors with
+// CUPY_ROPE_ASYNC, the first rows issued before init), else stream_rows (fresh_rows for kFresh).
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
 __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;

@@ -114,8 +114,9 @@ def test_in_place_and_out():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_host_kernel_row_chunks(dtype, table, monkeypatch):
     """Many heads streamed by one thread (row counts 1 to 4 around the rows kept in flight, in
-    registers or in the shared-memory ring, and far past them), with cos/sin held (a standard table: the angles of each pair equal) or computed
-    per row (a general table); tail units of one and of two vectors."""
+    registers or in the shared-memory ring, and far past them), with cos/sin held (a standard
+    table: the angles of each pair equal) or computed per row (a general table); tail units of
+    one and of two vectors."""
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
