@@ -496,22 +496,15 @@ template <int N> __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// A loop's MODE: one of RowMode when every row of the loop has it; kAnyMode: each row's own
-// (OutRow::mode); kHeldOrCopy: the thread's rows are all kHeld or all kCopy, and whether the unit
-// has a second vector is known at run time (see for_mode).
-constexpr int kHeldOrCopy = -2;
-
-// The rotation of one row in registers (the loops' step): a, b rotated in place by the row's
-// mode (MODE, or `mode` where MODE is kAnyMode or kHeldOrCopy).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE>
+// The rotation of one row in registers (stream_rows' step): a, b rotated in place by the mode.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
 __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const float* cm, const float* sm,
                                            const OutRow<T>& o, i64 c0, i64 c1) {
-  const int m = MODE < 0 ? mode : MODE;
-  if (PAIR && m != kCopy) {
+  if (PAIR && mode != kCopy) {
     float v[2 * V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    if (MODE == kHeldOrCopy || m == kHeld) {
+    if (mode == kHeld) {
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
@@ -557,11 +550,10 @@ __device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pa
 // stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
-                                            i64 c1, bool pair) {
+                                            i64 c1) {
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
-  const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, two);  // into the slot of row k - 1, read back
+    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, PAIR);  // into the slot of row k - 1, read back
     async_commit();
     async_wait<Ring::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
@@ -569,23 +561,15 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
     Vec<T, V> a, b;
     const uint4 qa = ring_read(at);
     a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
-    if (two) {
+    if (PAIR) {
       const uint4 qb = ring_read(at + r.nb);
       b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
     }
     const OutRow<T> o = rows.out(k);
-    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a, b, cm, sm, o, c0, c1);
+    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a, b, cm, sm, o, c0, c1);
     store_vec<T, V>(o.p0, a);
-    if (two) store_vec<T, V>(o.p1, b);
+    if (PAIR) store_vec<T, V>(o.p1, b);
   }
-}
-
-// ring_stream of kFresh rows, out of line (as fresh_rows): inlined next to the held loop, its
-// local copy of the unit (rotate_fresh) sent the held loop's rotated values through local memory
-// too (measured: half the copy's speed).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
-__device__ __noinline__ void ring_fresh(Ring r, int cnt, Rows rows, i64 c0, i64 c1) {
-  ring_stream<T, V, INTERLEAVED, BACKWARD, true, kFresh>(r, cnt, rows, nullptr, nullptr, c0, c1, true);
 }
 #endif
 
@@ -593,21 +577,20 @@ __device__ __noinline__ void ring_fresh(Ring r, int cnt, Rows rows, i64 c0, i64 
 // gives each row's input vectors (rows.in(k, p0, p1)) and its OutRow (rows.out(k)), called for
 // k in increasing order. Row k + Rows::kDepth is loaded (into registers) before row k is processed
 // and stored, so that every thread always has loads in flight. PAIR: two vectors per unit
-// (otherwise one: a tail unit, copied); with MODE kHeldOrCopy, `pair` says it. MODE: see
-// kHeldOrCopy (for_mode picks it). cm/sm: the held cos/sin. Every element is read once and written
-// once. (ring_stream is the same loop over the shared-memory ring.)
+// (otherwise one: a tail unit, copied). MODE: every row's mode when known here (a loop per mode
+// keeps each lean), or kAnyMode (each row's own). cm/sm: the held cos/sin. Every element is read
+// once and written once. (ring_stream is the same loop over the shared-memory ring.)
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
-                                            i64 c1, bool pair) {
+                                            i64 c1) {
   constexpr int kDepth = Rows::kDepth;
-  const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   constexpr int S = kDepth + 1;
   Vec<T, V> a[S], b[S];
   auto load = [&](int k, Vec<T, V>& va, Vec<T, V>& vb) {
     const T *p0, *p1;
     rows.in(k, p0, p1);
     va = load_vec<T, V>(p0);
-    if (two) vb = load_vec<T, V>(p1);
+    if (PAIR) vb = load_vec<T, V>(p1);
   };
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
@@ -620,9 +603,9 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a[s], b[s], cm, sm, o, c0, c1);
+      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
-      if (two) store_vec<T, V>(o.p1, b[s]);
+      if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
   }
 }
@@ -648,28 +631,25 @@ __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
   }
 }
 
-// The streaming loop a unit's rows take, as a tag Loop<PAIR, MODE> passed to `run`: rows of
-// mixed modes (!Rows::kUniform: each row's mode; a tail unit of one vector is copied), the rare
-// kFresh rows, and otherwise one loop for rotated and copied units alike (kHeldOrCopy, the
-// second vector per thread): lanes of one warp often hold both (a rotary slice narrower than
-// the head, tokens outside the table), and a loop per mode ran one after the other (measured:
-// benchmarks/NOTES.md).
+// The streaming loop a unit's rows take, as a tag Loop<PAIR, MODE> passed to `run`: a tail unit
+// of one vector (copied), rows of mixed modes (!Rows::kUniform), or one loop per mode when every
+// row has the thread's mode (rows.mode, set by init).
 template <bool PAIR, int MODE> struct Loop {
   static constexpr bool kPair = PAIR;
   static constexpr int kMode = MODE;
 };
 template <class Rows, class Run>
 __device__ __forceinline__ void for_mode(bool pair, const Rows& rows, Run run) {
-  if constexpr (!Rows::kUniform) {
-    if (pair) {
-      run(Loop<true, kAnyMode>{});
-    } else {
-      run(Loop<false, kCopy>{});
-    }
-  } else if (pair && rows.mode == kFresh) {
+  if (!pair) {
+    run(Loop<false, kCopy>{});
+  } else if constexpr (!Rows::kUniform) {
+    run(Loop<true, kAnyMode>{});
+  } else if (rows.mode == kHeld) {
+    run(Loop<true, kHeld>{});
+  } else if (rows.mode == kFresh) {
     run(Loop<true, kFresh>{});
   } else {
-    run(Loop<true, kHeldOrCopy>{});
+    run(Loop<true, kCopy>{});
   }
 }
 
@@ -689,11 +669,7 @@ __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init
     init(cm, sm);
     for_mode(pair, rows, [&](auto loop) {
       using L = decltype(loop);
-      if constexpr (L::kMode == kFresh) {
-        ring_fresh<T, V, INTERLEAVED, BACKWARD>(ring, cnt, rows, c0, c1);
-      } else {
-        ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1, pair);
-      }
+      ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1);
     });
     return;
   }
@@ -704,7 +680,7 @@ __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init
     if constexpr (L::kMode == kFresh) {
       fresh_rows<T, V, INTERLEAVED, BACKWARD>(cnt, rows, c0, c1);
     } else {
-      stream_rows<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(cnt, rows, cm, sm, c0, c1, pair);
+      stream_rows<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(cnt, rows, cm, sm, c0, c1);
     }
   });
 }
