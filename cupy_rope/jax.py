@@ -1,9 +1,9 @@
 """JAX shim: RoPE for JAX arrays, eager and under ``jax.jit``, differentiable (``jax.grad``,
 ``jax.vjp``) through custom VJPs whose backward is the library's backward kernel.
 
-On a GPU the CUDA kernel runs on XLA's stream inside a ``buffer_callback`` recorded into XLA's
-command buffers where JAX supports it (``cupy_rope._xla``), writing into buffers XLA allocated
-(no copies). On the CPU the same functions run the NumPy backend's formulas in ``jax.numpy``
+On a GPU XLA launches the CUDA kernel itself, on its own stream, into buffers it allocated (no
+copies): through an XLA FFI custom call whose C++ handler is built once with the host compiler,
+else through a ``buffer_callback`` (``cupy_rope._xla``; ``CUPY_ROPE_XLA_FFI`` chooses). On the CPU the same functions run the NumPy backend's formulas in ``jax.numpy``
 (jittable, same semantics). ``jax.vmap`` maps the kernel sequentially; inside ``shard_map``
 each shard passes its own ``cp_rank``.
 
