@@ -5,8 +5,8 @@ On a GPU XLA launches the CUDA kernel itself, on its own stream, into buffers it
 copies): through an XLA FFI custom call whose C++ handler is built once with the host compiler,
 else through a ``buffer_callback`` (``cupy_rope._xla``; ``CUPY_ROPE_XLA_FFI`` chooses). On the
 CPU the same functions run the NumPy backend's formulas in ``jax.numpy`` (jittable, same
-semantics). ``jax.vmap`` maps the kernel sequentially; inside ``shard_map``
-each shard passes its own ``cp_rank``.
+semantics). ``jax.vmap`` maps the kernel sequentially; inside ``shard_map`` each shard passes its
+own ``cp_rank``.
 
 Static arguments (``layout``, ``interleaved``, ``cp_size``, ``cp_rank``, ``split``) are Python
 values; ``cu_seqlens`` and ``start_positions`` are arrays. The angle tables, ``cu_seqlens``
