@@ -23,9 +23,6 @@ _MAX_VEC_BYTES = 0
 _ONE_ROW = True
 _ONE_ROW_THREADS = 2**31  # one-row launches index threads in 32 bits (their fast division)
 _ONE_ROW_KINDS = {_abi.ANGLES: "rope1", _abi.COS_SIN32: "rope1c", _abi.COS_SIN_T: "rope1c"}
-# Warp spans (kernels_cu/rope_common.cuh): the streaming kernel fetches each group's contiguous
-# rows with one bulk copy where warp_span allows it; tests set it False to run per-lane copies.
-_WARP_SPANS = True
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -63,19 +60,6 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
     per_chunk = n_tok * n_sets * n_units
     chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
     return n_rot, n_units, tail_w, chunks, per_chunk * chunks
-
-
-def warp_span(plan, x, vec: int, n_rot: int, n_units: int, chunks: int) -> int:
-    """Lanes per warp-span group of one tensor of a rope launch (RopeParams.warp_span), 0 when
-    its rows are not fetched by group: the conditions of kernels_cu/rope.cu's field comment."""
-    g = chunks * n_units
-    if (not _WARP_SPANS or vec * ITEMSIZE[plan.dtype] != 16 or n_rot != n_units or 32 % n_units
-            or (g % 32 and 32 % g) or plan.heads % chunks):
-        return 0
-    span = min(g, 32)
-    if span > n_units and norm_strides(x.shape, x.strides)[-2] != plan.d:
-        return 0
-    return span
 
 
 def fast_divisor(d: int) -> int:
@@ -121,7 +105,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
-                dv_item=0, dv_unit=0, dv_inner=0, warp_span=warp_span(plan, x, vec, n_rot, n_units, chunks))
+                dv_item=0, dv_unit=0, dv_inner=0)
     if one_row_indices(blocks_for(threads)):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))

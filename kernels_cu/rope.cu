@@ -25,12 +25,6 @@ struct RopeParams {
   i64 rot_off;                   // first channel of the rotary slice
   // One-row kernels: n_chunks * n_units, n_units and n_inner as fast divisors (fast_div)
   i64 dv_item, dv_unit, dv_inner;
-  // Warp spans (streaming kernel, rope_common.cuh): lanes per group, 0 for none. Set only where
-  // every group's rows at each step are G * 32 contiguous input bytes: 16-byte vectors, no tail
-  // units, C * n_units a multiple or a divisor of 32 (groups within one token), n_units a divisor of 32,
-  // n_heads % n_chunks == 0 (the same rows for every lane), and, when a group holds several
-  // chunks (G > n_units), the head stride equal to the row (xsh == d).
-  i64 warp_span;
   PosArgs pos;
 };
 
@@ -89,24 +83,7 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
       rows.mode = kHeld;
     }
   };
-  RingSpan span;
-  if (kWarpSpans && p.warp_span) {
-    // This lane's vectors in its group's span (which starts at the group's first lane's first
-    // vector: chunk c - gl / n_units, unit 0, channel 0), and the warp's lanes (whole groups;
-    // the last warp of a launch may hold fewer).
-    const int lane = threadIdx.x & 31, gl = lane % (int)p.warp_span;
-    const i64 left = p.n_tok * C * p.n_units - (item - lane), active = left < 32 ? left : 32;
-    span.g = (int)p.warp_span;
-    span.off = (unsigned)(((gl / p.n_units) * p.xsh + r0) * (i64)sizeof(T));
-    span.second = (unsigned)(dr * (i64)sizeof(T));
-    span.groups = (int)(active / span.g);
-    span.mask = active == 32 ? 0xffffffffu : (1u << active) - 1;
-#if !defined(__CUDA_ARCH__)  // the host build copies the group's span from its first lane's row
-    span.src = reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + (c - gl / p.n_units) * p.xsh;
-    span.step = C * p.xsh * (i64)sizeof(T);
-#endif
-  }
-  stream_unit<T, V, INTERLEAVED, BACKWARD>(pair, cnt, rows, init, cb0, cb1, span);
+  stream_unit<T, V, INTERLEAVED, BACKWARD>(pair, cnt, rows, init, cb0, cb1);
 }
 
 // One row per thread: the launches whose work split gives every thread a single row (C = n_heads:

@@ -450,31 +450,10 @@ constexpr int kAnyMode = -1;
 #ifndef CUPY_ROPE_RING_STORAGE
 #define CUPY_ROPE_RING_STORAGE __shared__
 #endif
-// Warp spans (CUPY_ROPE_WARP_SPANS = 1, the default; sm_90 and later, and the host build): where
-// the launch layer finds that the lanes of each group of G lanes of a warp (consecutive chunks
-// of one token, RopeParams.warp_span = G) cover, at every row step, G * 32 contiguous bytes of
-// the input (whole rows of full-rotary 16-byte units), one lane of the group fetches those bytes
-// with one bulk copy (cp.async.bulk, completing on a barrier of the warp's slot) instead of every
-// lane copying its own two vectors: one memory instruction per group and row instead of two per
-// lane (benchmarks/NOTES.md). Each lane then reads its vectors from the group's copy.
-#ifndef CUPY_ROPE_WARP_SPANS
-#define CUPY_ROPE_WARP_SPANS 1
-#endif
-#if CUPY_ROPE_WARP_SPANS && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900)
-constexpr bool kWarpSpans = true;
-#else
-constexpr bool kWarpSpans = false;
-#endif
-
 #if CUPY_ROPE_ASYNC
 // Slot (j, vector w) of thread t: word (2 j + w) * blockDim.x + t of ring_slots (consecutive
-// threads, consecutive 16-byte words: conflict-free). With warp spans, slot j of warp w is the
-// 64 words from (w * S + j) * 64 (the warp's groups' spans, in lane order; a lane reads its
-// vectors at their offsets in its group's span).
+// threads, consecutive 16-byte words: conflict-free).
 CUPY_ROPE_RING_STORAGE uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
-// Warp spans: one barrier per warp and slot, completed when the warp's groups' bulk copies of
-// the slot's row have landed.
-CUPY_ROPE_RING_STORAGE unsigned long long ring_bars[CUPY_ROPE_BLOCK / 32 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
 #endif
 
 // A ring word's address: a 32-bit shared-memory address on the device, a pointer in the host build.
@@ -482,7 +461,6 @@ CUPY_ROPE_RING_STORAGE unsigned long long ring_bars[CUPY_ROPE_BLOCK / 32 * (CUPY
 typedef unsigned RingAddr;
 constexpr unsigned kRingWord = 16;
 __device__ __forceinline__ RingAddr ring_addr(uint4* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ unsigned ring_addr_bar(unsigned long long* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void async_copy16(RingAddr dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
   // .ca (through L1), not .cg: a unit's two vectors often share a 32-byte sector (interleaved
@@ -503,7 +481,6 @@ __device__ __forceinline__ uint4 ring_read(RingAddr a) {
 typedef uint4* RingAddr;
 constexpr unsigned kRingWord = 1;
 inline RingAddr ring_addr(uint4* p) { return p; }
-inline unsigned ring_addr_bar(unsigned long long*) { return 0; }
 inline void async_copy16(RingAddr dst, const void* src) { *dst = *reinterpret_cast<const uint4*>(src); }
 inline uint4 ring_read(RingAddr a) { return *a; }
 #endif
@@ -519,50 +496,22 @@ template <int N> __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// Warp-span primitives (sm_90; the host build copies per lane instead, Ring::issue). `bar`: a
-// barrier's shared-memory address.
-__device__ __forceinline__ void span_barriers_init(unsigned bar, int n, int arrivals) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (int j = 0; j < n; ++j)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar + 8 * j), "r"(arrivals) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// `bytes` from global `src` to shared `dst` (16-byte aligned, a multiple of 16), arriving on `bar`.
-__device__ __forceinline__ void span_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#endif
-}
-// Wait for phase `parity` of barrier `bar` to complete.
-__device__ __forceinline__ void span_wait(unsigned bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-__device__ __forceinline__ void span_sync(unsigned mask) {
-#if defined(__CUDA_ARCH__)
-  __syncwarp(mask);
-#endif
-}
+// A loop's MODE (besides a RowMode every row of the loop has): kAnyMode, each row's own
+// (OutRow::mode); kHeldOrCopy, the thread's rows are all kHeld or all kCopy, and whether the unit
+// has a second vector is known at run time (ring_held_or_copy).
+constexpr int kHeldOrCopy = -2;
 
-// The rotation of one row in registers (stream_rows' step): a, b rotated in place by the mode.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
+// The rotation of one row in registers (the loops' step): a, b rotated in place by the mode
+// (`mode`, the row's, where MODE is kAnyMode or kHeldOrCopy).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE>
 __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const float* cm, const float* sm,
                                            const OutRow<T>& o, i64 c0, i64 c1) {
-  if (PAIR && mode != kCopy) {
+  const int m = MODE < 0 ? mode : MODE;
+  if (PAIR && m != kCopy) {
     float v[2 * V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    if (mode == kHeld) {
+    if (MODE == kHeldOrCopy || m == kHeld) {
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
@@ -572,130 +521,99 @@ __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b,
   }
 }
 
-// A unit's warp span (RopeParams.warp_span; zero g: every thread copies its own vectors).
-struct RingSpan {
-  int g = 0;             // lanes per group
-  unsigned off = 0;      // byte offset of the lane's first vector in its group's span
-  unsigned second = 0;   // bytes from the lane's first vector to its second
-  int groups = 0;        // the warp's groups (barrier arrivals per row)
-  unsigned mask = 0;     // the warp's lanes
-#if !defined(__CUDA_ARCH__)
-  const void* src = nullptr;  // the group's span of row 0 (the host build's copies)
-  i64 step = 0;               // bytes from a row's span to the next
-#endif
-};
-
 #if CUPY_ROPE_ASYNC
 // A thread's ring: CUPY_ROPE_ASYNC_DEPTH + 1 slots of two 16-byte vectors. Rows are issued into
-// the slots in order (fill) and read back in order (s). SPAN (warp spans): the group's leader
-// copies the group's span of each row, every lane waits for the slot's barrier.
+// the slots in order (fill) and read back in order (s).
 struct Ring {
-  RingAddr base;    // the thread's first vector in slot 0
-  unsigned nb;      // from a slot's first vector to its second
-  unsigned stride;  // from a slot to the next
-  int fill, s;      // slot of the next row to issue, of the next row to read
-  unsigned bars;    // warp spans: the warp's first slot barrier
-  unsigned lead;    // warp spans: bytes of the group's span on its leader, else 0
-  unsigned mask;    // warp spans: the warp's lanes
-  unsigned phase;   // warp spans: parity of slot s's next phase
-#if !defined(__CUDA_ARCH__)  // the host build: every lane copies its group's span (RingSpan::src)
-  RingAddr group;   // the group's span in slot 0
-  const char* src;  // the group's span of row 0
-  i64 src_step;     // bytes from a row's span to the next
-#endif
+  RingAddr base;
+  unsigned nb;  // from a slot's first vector to its second
+  int fill, s;  // slot of the next row to issue, of the next row to read
   static constexpr int D = CUPY_ROPE_ASYNC_DEPTH, S = D + 1;
   __device__ __forceinline__ void step(int& i) { i = i == S - 1 ? 0 : i + 1; }
-  template <bool SPAN, typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, int k, bool pair) {
+  template <typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, int k, bool pair) {
     const T *p0, *p1;
     rows.in(k, p0, p1);
-    const RingAddr at = base + fill * stride;
-    if (SPAN) {
-#if defined(__CUDA_ARCH__)
-      span_sync(mask);  // every lane has read the slot's previous row
-      if (lead) span_copy(at, p0, lead, bars + 8 * fill);
-#else
-      for (unsigned w = 0; w < lead / 16; ++w)
-        group[fill * stride + w] = reinterpret_cast<const uint4*>(src + k * src_step)[w];
-#endif
-      step(fill);
-      return;
-    }
+    const RingAddr at = base + 2 * fill * nb;
     async_copy16(at, p0);
     if (pair) async_copy16(at + nb, p1);
     step(fill);
   }
-  // Wait for row s (SPAN: its barrier; else this thread's copies: at most D groups pending).
-  template <bool SPAN> __device__ __forceinline__ void await_row() {
-    if (SPAN) {
-      span_wait(bars + 8 * s, phase);
-      if (s == S - 1) phase ^= 1;
-    } else {
-      async_commit();
-      async_wait<D>();
-    }
-  }
 };
 
-__device__ __forceinline__ Ring ring_open(const RingSpan& span) {
-  Ring r{};
-  if (!span.g) {
-    r.base = ring_addr(ring_slots + threadIdx.x);
-    r.nb = blockDim.x * kRingWord;
-    r.stride = 2 * r.nb;
-    return r;
-  }
-  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gl = lane % span.g;
-  const RingAddr group = ring_addr(ring_slots + warp * Ring::S * 64 + 2 * (lane - gl));
-  r.base = group + span.off / 16 * kRingWord;
-  r.nb = span.second / 16 * kRingWord;
-  r.stride = 64 * kRingWord;
-  r.bars = ring_addr_bar(ring_bars + warp * Ring::S);
-  r.mask = span.mask;
-#if defined(__CUDA_ARCH__)
-  r.lead = gl == 0 ? 32u * span.g : 0u;
-  if (lane == 0) span_barriers_init(r.bars, Ring::S, span.groups);
-  span_sync(span.mask);
-#else
-  r.lead = 32u * span.g;
-  r.group = group;
-  r.src = static_cast<const char*>(span.src);
-  r.src_step = span.step;
-#endif
-  return r;
+__device__ __forceinline__ Ring ring_open() {
+  return Ring{ring_addr(ring_slots + threadIdx.x), blockDim.x * kRingWord, 0, 0};
 }
 
-// Rows 0 .. D - 1 issued (per-thread copies: one commit group each, empty past cnt).
-template <bool SPAN, typename T, class Rows>
+// Rows 0 .. D - 1 issued (one commit group each, empty past cnt).
+template <typename T, class Rows>
 __device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pair) {
 #pragma unroll
   for (int j = 0; j < Ring::D; ++j) {
-    if (j < cnt) r.issue<SPAN, T>(rows, j, pair);
-    if (!SPAN) async_commit();
+    if (j < cnt) r.issue<T>(rows, j, pair);
+    async_commit();
   }
 }
 
 // stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, bool SPAN, class Rows>
+// MODE kHeldOrCopy: `pair` says whether the unit has a second vector (otherwise PAIR does).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
-                                            i64 c1) {
+                                            i64 c1, bool pair = true) {
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
+  const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<SPAN, T>(rows, k + Ring::D, PAIR);  // into the slot of row k - 1, read back
-    r.await_row<SPAN>();
-    const RingAddr at = r.base + r.s * r.stride;
+    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, two);  // into the slot of row k - 1, read back
+    async_commit();
+    async_wait<Ring::D>();  // row k's group is complete
+    const RingAddr at = r.base + 2 * r.s * r.nb;
     r.step(r.s);
     Vec<T, V> a, b;
     const uint4 qa = ring_read(at);
     a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
-    if (PAIR) {
+    if (two) {
       const uint4 qb = ring_read(at + r.nb);
       b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
     }
     const OutRow<T> o = rows.out(k);
-    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a, b, cm, sm, o, c0, c1);
+    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a, b, cm, sm, o, c0, c1);
     store_vec<T, V>(o.p0, a);
-    if (PAIR) store_vec<T, V>(o.p1, b);
+    if (two) store_vec<T, V>(o.p1, b);
   }
+}
+
+// A unit's held cos/sin, passed by value (ring_held_or_copy).
+template <int V> struct HeldCosSin {
+  float c[V], s[V];
+};
+
+// Whether this thread's warp holds both rotated and copied units (or units with one and with two
+// vectors), e.g. a rotary slice narrower than the head, or tokens outside the table: the per-mode
+// loops of for_mode would then run one after the other, each with part of the warp's bytes in
+// flight, where one loop for all of them moves them together (ring_held_or_copy; measured:
+// benchmarks/NOTES.md). Never with kFresh rows. Either answer gives the same results; the host
+// build, which has no warps, alternates it by thread so that both ways run.
+template <class Rows> __device__ __forceinline__ bool mixed_warp(bool pair, const Rows& rows) {
+  if constexpr (!Rows::kUniform) {
+    return false;
+  } else {
+    const int kind = rows.mode == kFresh ? 3 : !pair ? 0 : rows.mode == kHeld ? 1 : 2;
+#if defined(__CUDA_ARCH__)
+    const unsigned lanes = __activemask();
+    return !__any_sync(lanes, kind == 3) && __match_any_sync(lanes, kind) != lanes;
+#else
+    return kind != 3 && (threadIdx.x & 1);
+#endif
+  }
+}
+
+// ring_stream for the threads of a mixed warp: one loop whatever the thread's mode (kHeld or
+// kCopy) and vector count. Out of line, so that the per-mode loops keep their registers (inlined
+// beside them, with the kFresh loop, it sent their rotated values through local memory, and
+// taking the kFresh loop out of line instead slowed them by 5-7%: benchmarks/NOTES.md).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
+__device__ __noinline__ void ring_held_or_copy(Ring r, int cnt, Rows rows, HeldCosSin<V> cs, i64 c0, i64 c1,
+                                               bool pair) {
+  ring_stream<T, V, INTERLEAVED, BACKWARD, true, kHeldOrCopy>(r, cnt, rows, cs.c, cs.s, c0, c1, pair);
 }
 #endif
 
@@ -729,7 +647,7 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], cm, sm, o, c0, c1);
+      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
       if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
@@ -779,37 +697,32 @@ __device__ __forceinline__ void for_mode(bool pair, const Rows& rows, Run run) {
   }
 }
 
-template <bool B> struct Flag {
-  static constexpr bool value = B;
-};
-
 // A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
 // the rows' modes; then the loop for_mode picks: ring_stream (16-byte vectors with
-// CUPY_ROPE_ASYNC, the first rows issued before init; through warp spans where `span.g`), else
-// stream_rows (fresh_rows for kFresh).
+// CUPY_ROPE_ASYNC, the first rows issued before init), else stream_rows (fresh_rows for kFresh).
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
-__device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1,
-                                            const RingSpan& span = RingSpan{}) {
+__device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;
   float cm[V], sm[V];
 #if CUPY_ROPE_ASYNC
   if constexpr (Vec<T, V>::kBytes == 16) {
     // The first rows' copies fly while init computes the position and cos/sin (they hold no
     // registers); the rare kFresh rows stream here too (rotate_fresh per row).
-    auto stream = [&](auto spans) {
-      constexpr bool SPAN = decltype(spans)::value;
-      Ring ring = ring_open(SPAN ? span : RingSpan{});
-      ring_prime<SPAN, T>(ring, cnt, rows, pair);
-      init(cm, sm);
-      for_mode(pair, rows, [&](auto loop) {
-        using L = decltype(loop);
-        ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode, SPAN>(ring, cnt, rows, cm, sm, c0, c1);
-      });
-    };
-    if constexpr (kWarpSpans) {
-      if (span.g) return stream(Flag<true>{});
+    Ring ring = ring_open();
+    ring_prime<T>(ring, cnt, rows, pair);
+    init(cm, sm);
+    if (mixed_warp(pair, rows)) {
+      HeldCosSin<V> cs;
+#pragma unroll
+      for (int m = 0; m < V; ++m) cs.c[m] = cm[m], cs.s[m] = sm[m];
+      ring_held_or_copy<T, V, INTERLEAVED, BACKWARD>(ring, cnt, rows, cs, c0, c1, pair);
+      return;
     }
-    return stream(Flag<false>{});
+    for_mode(pair, rows, [&](auto loop) {
+      using L = decltype(loop);
+      ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1);
+    });
+    return;
   }
 #endif
   init(cm, sm);
