@@ -496,22 +496,15 @@ template <int N> __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// A loop's MODE (besides a RowMode every row of the loop has): kAnyMode, each row's own
-// (OutRow::mode); kHeldOrCopy, the thread's rows are all kHeld or all kCopy, and whether the unit
-// has a second vector is known at run time (ring_held_or_copy).
-constexpr int kHeldOrCopy = -2;
-
-// The rotation of one row in registers (the loops' step): a, b rotated in place by the mode
-// (`mode`, the row's, where MODE is kAnyMode or kHeldOrCopy).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE>
+// The rotation of one row in registers (stream_rows' step): a, b rotated in place by the mode.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
 __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const float* cm, const float* sm,
                                            const OutRow<T>& o, i64 c0, i64 c1) {
-  const int m = MODE < 0 ? mode : MODE;
-  if (PAIR && m != kCopy) {
+  if (PAIR && mode != kCopy) {
     float v[2 * V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    if (MODE == kHeldOrCopy || m == kHeld) {
+    if (mode == kHeld) {
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
@@ -555,14 +548,12 @@ __device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pa
 }
 
 // stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
-// MODE kHeldOrCopy: `pair` says whether the unit has a second vector (otherwise PAIR does).
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
-                                            i64 c1, bool pair = true) {
+                                            i64 c1) {
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
-  const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, two);  // into the slot of row k - 1, read back
+    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, PAIR);  // into the slot of row k - 1, read back
     async_commit();
     async_wait<Ring::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
@@ -570,50 +561,15 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
     Vec<T, V> a, b;
     const uint4 qa = ring_read(at);
     a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
-    if (two) {
+    if (PAIR) {
       const uint4 qb = ring_read(at + r.nb);
       b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
     }
     const OutRow<T> o = rows.out(k);
-    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a, b, cm, sm, o, c0, c1);
+    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a, b, cm, sm, o, c0, c1);
     store_vec<T, V>(o.p0, a);
-    if (two) store_vec<T, V>(o.p1, b);
+    if (PAIR) store_vec<T, V>(o.p1, b);
   }
-}
-
-// A unit's held cos/sin, passed by value (ring_held_or_copy).
-template <int V> struct HeldCosSin {
-  float c[V], s[V];
-};
-
-// Whether this thread's warp holds both rotated and copied units (or units with one and with two
-// vectors), e.g. a rotary slice narrower than the head, or tokens outside the table: the per-mode
-// loops of for_mode would then run one after the other, each with part of the warp's bytes in
-// flight, where one loop for all of them moves them together (ring_held_or_copy; measured:
-// benchmarks/NOTES.md). Never with kFresh rows. Either answer gives the same results; the host
-// build, which has no warps, alternates it by thread so that both ways run.
-template <class Rows> __device__ __forceinline__ bool mixed_warp(bool pair, const Rows& rows) {
-  if constexpr (!Rows::kUniform) {
-    return false;
-  } else {
-    const int kind = rows.mode == kFresh ? 3 : !pair ? 0 : rows.mode == kHeld ? 1 : 2;
-#if defined(__CUDA_ARCH__)
-    const unsigned lanes = __activemask();
-    return !__any_sync(lanes, kind == 3) && __match_any_sync(lanes, kind) != lanes;
-#else
-    return kind != 3 && (threadIdx.x & 1);
-#endif
-  }
-}
-
-// ring_stream for the threads of a mixed warp: one loop whatever the thread's mode (kHeld or
-// kCopy) and vector count. Out of line, so that the per-mode loops keep their registers (inlined
-// beside them, with the kFresh loop, it sent their rotated values through local memory, and
-// taking the kFresh loop out of line instead slowed them by 5-7%: benchmarks/NOTES.md).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
-__device__ __noinline__ void ring_held_or_copy(Ring r, int cnt, Rows rows, HeldCosSin<V> cs, i64 c0, i64 c1,
-                                               bool pair) {
-  ring_stream<T, V, INTERLEAVED, BACKWARD, true, kHeldOrCopy>(r, cnt, rows, cs.c, cs.s, c0, c1, pair);
 }
 #endif
 
@@ -647,7 +603,7 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a[s], b[s], cm, sm, o, c0, c1);
+      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
       if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
@@ -711,13 +667,6 @@ __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init
     Ring ring = ring_open();
     ring_prime<T>(ring, cnt, rows, pair);
     init(cm, sm);
-    if (mixed_warp(pair, rows)) {
-      HeldCosSin<V> cs;
-#pragma unroll
-      for (int m = 0; m < V; ++m) cs.c[m] = cm[m], cs.s[m] = sm[m];
-      ring_held_or_copy<T, V, INTERLEAVED, BACKWARD>(ring, cnt, rows, cs, c0, c1, pair);
-      return;
-    }
     for_mode(pair, rows, [&](auto loop) {
       using L = decltype(loop);
       ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1);
