@@ -23,6 +23,13 @@ _MAX_VEC_BYTES = 0
 _ONE_ROW = True
 _ONE_ROW_THREADS = 2**31  # one-row launches index threads in 32 bits (their fast division)
 _ONE_ROW_KINDS = {_abi.ANGLES: "rope1", _abi.COS_SIN32: "rope1c", _abi.COS_SIN_T: "rope1c"}
+# Threads per block of a one-row launch (at most _kernels.BLOCK, a multiple of 32): blocks of 64
+# spread a decode step's few blocks over more SMs (H200, one session, forward us of the decode rows
+# with an angle table / a cos/sin cache: 64: 1.88 / 1.52-1.53; 128: 1.89-1.92 / 1.54-1.60; 256:
+# 2.04-2.05 / 1.73-1.75; 32: 1.94-1.97 / 1.79; benchmarks/NOTES.md).
+# Fixed like the constants above; the benchmark harness's --tune ONE_ROW_BLOCK=N changes it in
+# its own process.
+_ONE_ROW_BLOCK = 64
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -73,14 +80,15 @@ def fast_divisor(d: int) -> int:
     return m | s << 32
 
 
-def blocks_for(threads: int) -> int:
-    return -(-threads // _kernels.BLOCK)
+def blocks_for(threads: int, block: int = 0) -> int:
+    return -(-threads // (block or _kernels.BLOCK))
 
 
-def one_row_indices(grid: int) -> bool:
-    """Whether every thread index of a launch of ``grid`` blocks fits the one-row kernels' 32-bit
-    index arithmetic (below ``_ONE_ROW_THREADS``)."""
-    return grid * _kernels.BLOCK <= _ONE_ROW_THREADS
+def one_row_indices(threads: int) -> bool:
+    """Whether every thread index of a one-row launch of ``threads`` threads (blocks of
+    ``_ONE_ROW_BLOCK``) fits the one-row kernels' 32-bit index arithmetic (below
+    ``_ONE_ROW_THREADS``)."""
+    return blocks_for(threads, _ONE_ROW_BLOCK) * _ONE_ROW_BLOCK <= _ONE_ROW_THREADS
 
 
 def _vec_arrays(*arrays):
@@ -93,7 +101,7 @@ def _vec_arrays(*arrays):
 
 
 def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
-    """(block values, blocks) of one tensor of a rope launch."""
+    """(block values, threads) of one tensor of a rope launch."""
     n_tok, n_inner, _ = split_tokens(plan.layout, x.shape)
     xs0, xs1 = token_strides(plan.layout, x)
     ys0, ys1 = token_strides(plan.layout, y)
@@ -106,34 +114,35 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
                 dv_item=0, dv_unit=0, dv_inner=0)
-    if one_row_indices(blocks_for(threads)):  # the one-row kernels' divisors
+    if one_row_indices(threads):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))
-    return vals, blocks_for(threads)
+    return vals, threads
 
 
 def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.LaunchSpec:
     """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
     alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
     row i runs tensor i. The vector width is the widest valid for every array of the launch; a
-    one-row kernel runs it when every thread of every tensor has a single row and the table
-    holds angles or cos/sin.
+    one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
+    tensor has a single row and the table holds angles or cos/sin.
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
     vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
     pos = _abi.pos_values(p0.pos, cu, sp, ids)
-    blocks, grid = [], 0
+    blocks, threads = [], []
     for plan, (x, y) in zip(plans, tensors):
-        vals, nb = _rope_vals(plan, x, y, freqs, vec, sm_count)
+        vals, nt = _rope_vals(plan, x, y, freqs, vec, sm_count)
         blocks.append({**vals, **pos})
-        grid = max(grid, nb)
-    params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
+        threads.append(nt)
     kind = "rope"
-    if _ONE_ROW and one_row_indices(grid) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+    if _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
         kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
+    block = _kernels.BLOCK if kind == "rope" else _ONE_ROW_BLOCK
+    params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
-    return _abi.LaunchSpec(name, (grid, len(plans)), _kernels.BLOCK, params, slots)
+    return _abi.LaunchSpec(name, (blocks_for(max(threads), block), len(plans)), block, params, slots)
 
 
 def qkv_launch(plan, packed, q, k, v, q_freqs, k_freqs, cu, sp, sm_count: int) -> _abi.LaunchSpec:

@@ -169,15 +169,18 @@ def _run_host(case, pos, q, k, tables, hs):
 @pytest.mark.parametrize("case", [c for c in CASES if c.kind in ("angles", "cos_sin", "cos_sin_t")], ids=repr)
 def test_one_row_kernels_are_bit_identical_to_streaming_kernel(case, monkeypatch):
     """The one-row kernels (angle tables, cos/sin caches) are the streaming kernel's arithmetic in
-    another order: on the host build (no FMA contraction) the same bits."""
+    another order: on the host build (no FMA contraction) the same bits, with blocks of any size
+    (``_ONE_ROW_BLOCK``)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     arrays = case.arrays()[:5]
     got = []
-    for one_row in (True, False):
+    for one_row, block in ((True, 32), (True, 64), (True, _kernels.BLOCK), (False, 64)):
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_BLOCK", block)
         got.append(_run_host(case, *arrays))
-    for a, b in zip(*got):
-        _same_bits(a, b)
+    for outs in got[:-1]:
+        for a, b in zip(outs, got[-1]):
+            _same_bits(a, b)
 
 
 def test_fast_divisor_matches_integer_division():
@@ -208,15 +211,15 @@ def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
     the limit still runs the one-row kernel (limit lowered to each case's launch size)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     names, orig = [], hostkernels.launch
-    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0])) or orig(name, *a))
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1])) or orig(name, *a))
     for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:
         pos, q, k, tables, hs, kind, rows = case.arrays()
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", 2**31)
         del names[:]
         _run_host(case, pos, q, k, tables, hs)
-        (name, grid), = names
+        (name, threads), = names  # blocks x threads per block
         assert name.startswith("rope1"), name
-        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", grid[0] * _kernels.BLOCK + margin)
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", threads + margin)
         del names[:]
         outs = _run_host(case, pos, q, k, tables, hs)
         case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
