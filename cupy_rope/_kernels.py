@@ -16,11 +16,13 @@ import re
 from pathlib import Path
 
 # Kernel kinds: the source file that defines them and their entry-point macro.
-# rope: the streaming rope kernel; rope1 / rope1c: the same rotation, one row per thread (small
-# launches) with an angle table / a cos/sin cache.
-KINDS = {"rope": "CUPY_ROPE_KERNEL", "rope1": "CUPY_ROPE1_KERNEL", "rope1c": "CUPY_ROPE1C_KERNEL",
-         "qkv": "CUPY_QKV_KERNEL"}
-ROPE_KINDS = ("rope", "rope1", "rope1c")  # the kernels of a rope launch (RopeParams, two blocks)
+# rope: the streaming rope kernel; ropem: the same for rows of rotated and copied units (a rotary
+# slice narrower than the head), 16-byte vectors only (MIXED_BYTES); rope1 / rope1c: the same
+# rotation, one row per thread (small launches) with an angle table / a cos/sin cache.
+KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropem": "CUPY_ROPEM_KERNEL", "rope1": "CUPY_ROPE1_KERNEL",
+         "rope1c": "CUPY_ROPE1C_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c")  # the kernels of a rope launch (RopeParams, two blocks)
+MIXED_BYTES = 16  # the only vector size of the ropem kernels (their loop streams the shared-memory ring)
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -51,17 +53,21 @@ def all_kernels() -> list[str]:
         kernel_name(kind, dt, v, il, bw)
         for kind, dt in itertools.product(KINDS, CTYPES)
         for v, il, bw in itertools.product(vector_widths(dt), (False, True), (False, True))
+        if kind != "ropem" or v * CTYPES[dt][1] == MIXED_BYTES
     ]
 
 
 def launch_alternatives(name: str) -> tuple[str, ...]:
     """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
-    device that runs it: a rope launch the streaming (``rope_``) or a one-row kernel (``rope1_``,
-    ``rope1c_``, as the table kind picks)."""
+    device that runs it: a rope launch a streaming (``rope_``, ``ropem_``, as its rows pick) or a
+    one-row kernel (``rope1_``, ``rope1c_``, as the table kind picks)."""
     kind, rest = name.split("_", 1)
-    return tuple(f"{k}_{rest}" for k in ROPE_KINDS) if kind in ROPE_KINDS else (name,)
+    if kind not in ROPE_KINDS:
+        return (name,)
+    return tuple(n for n in (f"{k}_{rest}" for k in ROPE_KINDS) if n in _ALL)
 
 
+_ALL = frozenset(all_kernels())
 _NAME = re.compile(r"^(" + "|".join(KINDS) + r")_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 

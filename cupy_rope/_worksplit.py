@@ -23,6 +23,10 @@ _MAX_VEC_BYTES = 0
 _ONE_ROW = True
 _ONE_ROW_THREADS = 2**31  # one-row launches index threads in 32 bits (their fast division)
 _ONE_ROW_KINDS = {_abi.ANGLES: "rope1", _abi.COS_SIN32: "rope1c", _abi.COS_SIN_T: "rope1c"}
+# Streaming launches of 16-byte vectors whose rows hold copied units as well as rotated ones (a
+# rotary slice narrower than the head) take the mixed kernels (``ropem``: one loop for both, so
+# that a warp's lanes stream together; benchmarks/NOTES.md). Tests set it False to run ``rope``.
+_MIXED = True
 # Threads per block of a one-row launch (at most _kernels.BLOCK, a multiple of 32): blocks of 64
 # spread a decode step's few blocks over more SMs (H200, one session, forward us of the decode rows
 # with an angle table / a cos/sin cache: 64: 1.88 / 1.52-1.53; 128: 1.89-1.92 / 1.54-1.60; 256:
@@ -139,6 +143,9 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     kind = "rope"
     if _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
         kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
+    if (kind == "rope" and _MIXED and vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
+            and any(b["n_rot_units"] < b["n_units"] for b in blocks)):
+        kind = "ropem"
     block = _kernels.BLOCK if kind == "rope" else _ONE_ROW_BLOCK
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)

@@ -50,7 +50,8 @@ template <typename T> struct HeadRows {
   }
 };
 
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
+// MIXED: the mixed kernels (ropem_; stream_unit).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool MIXED = false>
 __device__ __forceinline__ void rope_body(const RopeParams& p) {
   const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   i64 tok, rest, c, u, outer, inner;
@@ -83,7 +84,7 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
       rows.mode = kHeld;
     }
   };
-  stream_unit<T, V, INTERLEAVED, BACKWARD>(pair, cnt, rows, init, cb0, cb1);
+  stream_unit<T, V, INTERLEAVED, BACKWARD, MIXED>(pair, cnt, rows, init, cb0, cb1);
 }
 
 // One row per thread: the launches whose work split gives every thread a single row (C = n_heads:
@@ -143,12 +144,16 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
 }  // namespace cupy_rope
 
 // One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
-// streaming kernel), rope1_... (one row per thread, angle tables) or rope1c_... (one row per
+// streaming kernel), ropem_... (the streaming kernel for rows of rotated and copied units,
+// 16-byte vectors only), rope1_... (one row per thread, angle tables) or rope1c_... (one row per
 // thread, cos/sin caches), taking two parameter blocks (grid row 0: the first tensor, row 1: the
 // second, e.g. q and k). The launch layer appends the CUPY_ROPE_KERNEL(...) /
-// CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs (cupy_rope/_kernels.py).
+// CUPY_ROPEM_KERNEL(...) / CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs
+// (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
+#define CUPY_ROPEM_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \

@@ -496,15 +496,22 @@ template <int N> __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// The rotation of one row in registers (stream_rows' step): a, b rotated in place by the mode.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR>
+// A loop's MODE (besides a RowMode every row of the loop has): kAnyMode, each row's own
+// (OutRow::mode); kHeldOrCopy, the thread's rows are all kHeld or all kCopy (OutRow::mode), and
+// whether the unit has a second vector is known at run time (the mixed kernels, stream_unit).
+constexpr int kHeldOrCopy = -2;
+
+// The rotation of one row in registers (the loops' step): a, b rotated in place by the mode
+// (`mode`, the row's, where MODE is kAnyMode or kHeldOrCopy).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE>
 __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b, const float* cm, const float* sm,
                                            const OutRow<T>& o, i64 c0, i64 c1) {
-  if (PAIR && mode != kCopy) {
+  const int m = MODE < 0 ? mode : MODE;
+  if (PAIR && m != kCopy) {
     float v[2 * V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
-    if (mode == kHeld) {
+    if (MODE == kHeldOrCopy || m == kHeld) {
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
       rotate_fresh<V, INTERLEAVED, BACKWARD>(v, o.trow, c0, c1, o.scol);
@@ -548,12 +555,14 @@ __device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pa
 }
 
 // stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
+// MODE kHeldOrCopy: `pair` says whether the unit has a second vector (otherwise PAIR does).
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
 __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
-                                            i64 c1) {
+                                            i64 c1, bool pair = true) {
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
+  const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, PAIR);  // into the slot of row k - 1, read back
+    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, two);  // into the slot of row k - 1, read back
     async_commit();
     async_wait<Ring::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
@@ -561,15 +570,23 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
     Vec<T, V> a, b;
     const uint4 qa = ring_read(at);
     a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
-    if (PAIR) {
+    if (two) {
       const uint4 qb = ring_read(at + r.nb);
       b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
     }
     const OutRow<T> o = rows.out(k);
-    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a, b, cm, sm, o, c0, c1);
+    rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a, b, cm, sm, o, c0, c1);
     store_vec<T, V>(o.p0, a);
-    if (PAIR) store_vec<T, V>(o.p1, b);
+    if (two) store_vec<T, V>(o.p1, b);
   }
+}
+
+// ring_stream of kFresh rows for the mixed kernels, out of line (as fresh_rows): inlined next to
+// the kHeldOrCopy loop, its local copy of the unit (rotate_fresh) sent that loop's rotated values
+// through local memory too (measured: half the copy's speed, benchmarks/NOTES.md).
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
+__device__ __noinline__ void ring_fresh(Ring r, int cnt, Rows rows, i64 c0, i64 c1) {
+  ring_stream<T, V, INTERLEAVED, BACKWARD, true, kFresh>(r, cnt, rows, nullptr, nullptr, c0, c1);
 }
 #endif
 
@@ -603,7 +620,7 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
       if (k >= cnt) return;
       if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
       const OutRow<T> o = rows.out(k);
-      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR>(MODE == kAnyMode ? o.mode : MODE, a[s], b[s], cm, sm, o, c0, c1);
+      rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
       if (PAIR) store_vec<T, V>(o.p1, b[s]);
     }
@@ -656,7 +673,13 @@ __device__ __forceinline__ void for_mode(bool pair, const Rows& rows, Run run) {
 // A unit's rows: `init(cm, sm)` computes the position, the angles and the held cos/sin and sets
 // the rows' modes; then the loop for_mode picks: ring_stream (16-byte vectors with
 // CUPY_ROPE_ASYNC, the first rows issued before init), else stream_rows (fresh_rows for kFresh).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows, class Init>
+// MIXED (the mixed kernels, ropem_: 16-byte vectors of uniform rows, for launches whose rows
+// hold rotated and copied units, i.e. a rotary slice narrower than the head): one ring loop for
+// kHeld and kCopy units alike, so that the lanes of a warp, which hold both, stream together
+// (per-mode loops run one after the other); kFresh rows out of line (ring_fresh). Measured in
+// benchmarks/NOTES.md; the other kernels keep the per-mode loops (faster where units agree).
+// Outside the ring (other vector sizes, CUPY_ROPE_ASYNC 0) MIXED changes nothing.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool MIXED = false, class Rows, class Init>
 __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init init, i64 c0, i64 c1) {
   if (cnt <= 0) return;
   float cm[V], sm[V];
@@ -667,6 +690,14 @@ __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init
     Ring ring = ring_open();
     ring_prime<T>(ring, cnt, rows, pair);
     init(cm, sm);
+    if constexpr (MIXED) {
+      if (pair && rows.mode == kFresh) {
+        ring_fresh<T, V, INTERLEAVED, BACKWARD>(ring, cnt, rows, c0, c1);
+      } else {
+        ring_stream<T, V, INTERLEAVED, BACKWARD, true, kHeldOrCopy>(ring, cnt, rows, cm, sm, c0, c1, pair);
+      }
+      return;
+    }
     for_mode(pair, rows, [&](auto loop) {
       using L = decltype(loop);
       ring_stream<T, V, INTERLEAVED, BACKWARD, L::kPair, L::kMode>(ring, cnt, rows, cm, sm, c0, c1);

@@ -58,19 +58,22 @@ def test_host_kernels(case, backward, kernel):
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
 def test_one_row_kernel_is_bit_identical_to_streaming_kernel(case, backward, monkeypatch):
-    """The one-row kernel is the streaming kernel's arithmetic in another order: same bits."""
+    """The one-row kernel and the mixed streaming kernel (rows with a tail, 16-byte vectors) are
+    the streaming kernel's arithmetic in another order: same bits."""
     x, freqs, kw = inputs(case)
     plan = _plan_for(x, freqs, kw, backward)
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     got = {}
-    for one_row in (True, False):
+    for one_row, mixed, kinds in ((True, True, ("rope1",)), (False, True, ("rope", "ropem")), (False, False, ("rope",))):
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        monkeypatch.setattr(_worksplit, "_MIXED", mixed)
         name = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),
                            info(kw.get("start_positions")), 4).name
-        assert name.startswith("rope1_" if one_row else "rope_"), name
+        assert name.split("_")[0] in kinds, name
         out = np.full(x.shape, np.nan, dtype=x.dtype)
-        got[one_row] = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
-    np.testing.assert_array_equal(got[True].view(np.uint8), got[False].view(np.uint8))
+        got[name] = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
+    for y in got.values():
+        np.testing.assert_array_equal(y.view(np.uint8), got[name].view(np.uint8))
 
 
 @pytest.mark.parametrize("vec_case", ["vector", "scalar"])

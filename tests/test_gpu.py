@@ -96,7 +96,8 @@ def test_gpu_matrix(case, backward, fw):
 @pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
 def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     """The matrix's (small) calls run the one-row kernel; with it turned off, the streaming kernel
-    with one row per thread. Both against the reference. They are the same arithmetic, but the
+    with one row per thread (the mixed one, ``ropem``, for rows with a tail and 16-byte vectors,
+    and with that turned off too, ``rope``). Each against the reference. They are the same arithmetic, but the
     compiler may contract a product and a sum into one FMA differently in the two kernels: on the
     H200 some float32/float16 forward cases differ in the last bit (the host build, without FMA,
     gives the same bits: test_cpu_matrix), bfloat16 decode gives the same bits (decode_probe)."""
@@ -108,12 +109,13 @@ def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     ref = rope_ref(x, freqs, backward=backward, **kw)
     names, orig = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: names.append(spec.name) or orig(spec, *a, **k))
-    for one_row in (True, False):
+    for one_row, mixed in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        monkeypatch.setattr(_worksplit, "_MIXED", mixed)
         monkeypatch.setattr(_launch, "_CACHE", {})
         y = to_host(fn(to_dev(x, "cupy"), to_dev(freqs, "cupy"), **dkw), "cupy")
         assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, f"{case.id()} {names[-1]}")
-    assert names[0].startswith("rope1_") and names[1].startswith("rope_"), names
+    assert [n.split("_")[0] for n in names] in (["rope1", "rope", "rope"], ["rope1", "ropem", "rope"]), names
 
 
 @pytest.mark.parametrize("fw", ["cupy", "torch"])

@@ -47,14 +47,16 @@ def _aligned(shape, dtype, rng):
 def _run(name, tail, fw, monkeypatch):
     """One call that the planner maps to kernel ``name``: on the CPU through the host build and the
     plan (``fw = "host"``), on the GPU through the public API with CuPy arrays (``"cupy"``). The
-    call is small (one row per thread): the streaming kernel (``rope``) is forced by turning the
-    one-row kernels (``rope1``, ``rope1c``) off, and the launch cache is emptied so that the call is
-    planned. ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for
+    call is small (one row per thread): the streaming kernels (``rope``, ``ropem``) are forced by
+    turning the one-row kernels (``rope1``, ``rope1c``) off, ``rope`` rather than ``ropem`` (whose
+    rows these are: they have a tail) by turning the mixed kernels off, and the launch cache is
+    emptied so that the call is planned. ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for
     ``tail`` 2, a cache in the tensors' dtype for ``tail`` 1."""
     from cupy_rope import _launch, _worksplit
 
     kind, dtype, v, il, bw = _parse(name)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kind in ("rope1", "rope1c"))
+    monkeypatch.setattr(_worksplit, "_MIXED", kind == "ropem")
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
@@ -92,7 +94,7 @@ def _run(name, tail, fw, monkeypatch):
         ref = rope_pos_ref(x, pos, "cos_sin", cache, 10, il, 0, bw)
         assert_close_to_ref(y, ref, x, d2, dtype, name)
         return
-    if kind in ("rope", "rope1"):
+    if kind in ("rope", "ropem", "rope1"):
         x = _aligned(lead + (5, d), dtype, rng)
         out = _aligned((5,) + lead + (d,), dtype, rng)
         out[...] = np.nan  # strided output, poisoned
@@ -195,9 +197,13 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
 
 def test_launch_alternatives():
     """A traced JAX call plans without the device's SM count and compiles every kernel the
-    device's work split may pick: a rope launch's three kernels, a QKV launch's one."""
+    device's work split may pick: a rope launch's three kernels (four with 16-byte vectors: the
+    mixed kernel too), a QKV launch's one."""
     names = set(_kernels.all_kernels())
     for name in names:
         alts = _kernels.launch_alternatives(name)
         assert name in alts and set(alts) <= names, (name, alts)
-        assert len(alts) == (1 if name.startswith("qkv_") else 3), (name, alts)
+        kind, dtype, v, _, _ = _parse(name)
+        sixteen = v * _kernels.CTYPES[dtype][1] == _kernels.MIXED_BYTES
+        assert len(alts) == (1 if kind == "qkv" else 4 if sixteen else 3), (name, alts)
+    assert sum(n.startswith("ropem_") for n in names) == 12  # 3 dtypes x interleaved x direction
