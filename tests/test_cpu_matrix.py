@@ -64,7 +64,8 @@ def test_one_row_kernel_is_bit_identical_to_streaming_kernel(case, backward, mon
     plan = _plan_for(x, freqs, kw, backward)
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     got = {}
-    for one_row, mixed, kinds in ((True, True, ("rope1",)), (False, True, ("rope", "ropem")), (False, False, ("rope",))):
+    runs = ((True, True, ("rope1",)), (False, True, ("rope", "ropem")), (False, False, ("rope",)))
+    for one_row, mixed, kinds in runs:
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
         name = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),

@@ -97,10 +97,11 @@ def test_gpu_matrix(case, backward, fw):
 def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     """The matrix's (small) calls run the one-row kernel; with it turned off, the streaming kernel
     with one row per thread (the mixed one, ``ropem``, for rows with a tail and 16-byte vectors,
-    and with that turned off too, ``rope``). Each against the reference. They are the same arithmetic, but the
-    compiler may contract a product and a sum into one FMA differently in the two kernels: on the
-    H200 some float32/float16 forward cases differ in the last bit (the host build, without FMA,
-    gives the same bits: test_cpu_matrix), bfloat16 decode gives the same bits (decode_probe)."""
+    and with that turned off too, ``rope``). Each against the reference. They are the same
+    arithmetic, but the compiler may contract a product and a sum into one FMA differently in the
+    kernels: on the H200 some float32/float16 forward cases differ in the last bit (the host
+    build, without FMA, gives the same bits: test_cpu_matrix), bfloat16 decode gives the same bits
+    (decode_probe)."""
     from cupy_rope import _launch, _worksplit
 
     x, freqs, kw = inputs(case)
