@@ -26,14 +26,22 @@ template <typename T, int V> struct Vec {
   unsigned int w[kWords];
 };
 
+// A 16-byte vector from the four words of a 16-byte load.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> vec_of(const uint4& q) {
+  static_assert(Vec<T, V>::kBytes == 16, "a 16-byte vector");
+  Vec<T, V> r;
+  r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
+  return r;
+}
+
 // Load/store V elements at p. V > 1 is only chosen by the host when the channel stride is 1
 // and every row address is aligned to the vector size; V == 1 honours any stride.
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
   Vec<T, V> r;
   if constexpr (Vec<T, V>::kBytes == 16) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
-    r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
+    r = vec_of<T, V>(*reinterpret_cast<const uint4*>(p));
   } else if constexpr (Vec<T, V>::kBytes == 8) {
     const uint2 q = *reinterpret_cast<const uint2*>(p);
     r.w[0] = q.x, r.w[1] = q.y;
@@ -567,13 +575,8 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
     async_wait<Ring::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
     r.step(r.s);
-    Vec<T, V> a, b;
-    const uint4 qa = ring_read(at);
-    a.w[0] = qa.x, a.w[1] = qa.y, a.w[2] = qa.z, a.w[3] = qa.w;
-    if (two) {
-      const uint4 qb = ring_read(at + r.nb);
-      b.w[0] = qb.x, b.w[1] = qb.y, b.w[2] = qb.z, b.w[3] = qb.w;
-    }
+    Vec<T, V> a = vec_of<T, V>(ring_read(at)), b;
+    if (two) b = vec_of<T, V>(ring_read(at + r.nb));
     const OutRow<T> o = rows.out(k);
     rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a, b, cm, sm, o, c0, c1);
     store_vec<T, V>(o.p0, a);
