@@ -146,7 +146,8 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     if (kind == "rope" and _MIXED and vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
             and any(b["n_rot_units"] < b["n_units"] for b in blocks)):
         kind = "ropem"
-    block = _kernels.BLOCK if kind == "rope" else _ONE_ROW_BLOCK
+    # the streaming kernels (rope, ropem) in the blocks their shared-memory ring is sized for
+    block = _ONE_ROW_BLOCK if kind in _ONE_ROW_KINDS.values() else _kernels.BLOCK
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (blocks_for(max(threads), block), len(plans)), block, params, slots)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _abi, _plan, _worksplit
+from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cases import inputs, matrix
@@ -68,9 +68,12 @@ def test_one_row_kernel_is_bit_identical_to_streaming_kernel(case, backward, mon
     for one_row, mixed, kinds in runs:
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
-        name = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),
-                           info(kw.get("start_positions")), 4).name
+        spec = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),
+                           info(kw.get("start_positions")), 4)
+        name = spec.name
         assert name.split("_")[0] in kinds, name
+        # one-row launches in their own blocks; the streaming kernels in the blocks their ring is sized for
+        assert spec.block == (_worksplit._ONE_ROW_BLOCK if one_row else _kernels.BLOCK), (name, spec.block)
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         got[name] = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
     for y in got.values():
