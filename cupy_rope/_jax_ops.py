@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _kernels, _launch, _numpy_backend, _plan, _xla
+from . import _launch, _numpy_backend, _plan, _worksplit, _xla
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -41,8 +41,8 @@ def _shapes(*arrays):
 def _precompile(spec) -> None:
     """The kernel a traced call launches, compiled before XLA runs (and records) it. The trace
     plans without the device's SM count, so a rope launch compiles every rope kernel of its
-    dtype and options (``_kernels.launch_alternatives``): whichever the device's work split picks."""
-    _xla.precompile(_kernels.launch_alternatives(spec.name))
+    dtype and options (``_worksplit.launch_alternatives``): whichever the device's work split picks."""
+    _xla.precompile(_worksplit.launch_alternatives(spec.name))
 
 
 def _check_cpu_cu(plan, lead_shape, cu):
@@ -179,10 +179,9 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
     shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
     if qi.size == 0 and ki.size == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    from ._worksplit import rope_launch
-
     outs = [_info(s) for s in shapes]
-    _precompile(rope_launch([pq, pk], [(qi, outs[0]), (ki, outs[1])], _info(freqs), _info(cu), _info(sp), 1))
+    _precompile(_worksplit.rope_launch([pq, pk], [(qi, outs[0]), (ki, outs[1])], _info(freqs), _info(cu),
+                                       _info(sp), 1))
 
     isz = np.dtype(q.dtype).itemsize
     if views is None:
@@ -196,9 +195,9 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
     def build(addr, device):
         xs = [_plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n]) for i, n in ((qi, "x"), (ki, "x2"))]
         ys = [_at(s, addr[n], device) for s, n in zip(shapes, ("y", "y2"))]
-        return rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
-                           _at(cs, addr["cu_seqlens"], device), _at(ss, addr["start_positions"], device),
-                           _launch.sm_count(device))
+        return _worksplit.rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
+                                      _at(cs, addr["cu_seqlens"], device),
+                                      _at(ss, addr["start_positions"], device), _launch.sm_count(device))
 
     return _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, [[("y", 0)], [("y2", 0)]], build)
 
@@ -275,12 +274,11 @@ def _pos_impl(positions, q, k, table, tname, head_size, interleaved, rot_off, in
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in xs)
     if not any(v.size for v in views):
         return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    from ._worksplit import rope_launch
-
     ntok = positions.ndim
     outs = [_plan.head_view(_info(s), p.d, n, ntok) for s, p, n in zip(shapes, plans, ("q", "k"))]
     ps, ts = _shapes(positions, table)
-    _precompile(rope_launch(plans, list(zip(views, outs)), _info(table), None, None, 1, ids=_info(positions)))
+    _precompile(_worksplit.rope_launch(plans, list(zip(views, outs)), _info(table), None, None, 1,
+                                       ids=_info(positions)))
 
     def at(i, ptr, device):
         return _plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), ptr)
@@ -288,8 +286,8 @@ def _pos_impl(positions, q, k, table, tname, head_size, interleaved, rot_off, in
     def build(addr, device):
         pairs = [(at(v, addr[x], device), at(o, addr[y], device))
                  for v, o, x, y in zip(views, outs, ("x", "x2"), ("y", "y2"))]
-        return rope_launch(plans, pairs, _at(ts, addr["freqs"], device), None, None, _launch.sm_count(device),
-                           ids=_at(ps, addr["positions"], device))
+        return _worksplit.rope_launch(plans, pairs, _at(ts, addr["freqs"], device), None, None,
+                                      _launch.sm_count(device), ids=_at(ps, addr["positions"], device))
 
     in_slots = [[("positions", 0)], [("x", 0)], [("x2", 0)], [("freqs", 0)]]
     out_slots = [[("y", 0)], [("y2", 0)]][:len(shapes)]

@@ -57,30 +57,24 @@ def all_kernels() -> list[str]:
     ]
 
 
-def launch_alternatives(name: str) -> tuple[str, ...]:
-    """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
-    device that runs it: a rope launch a streaming (``rope_``, ``ropem_``, as its rows pick) or a
-    one-row kernel (``rope1_``, ``rope1c_``, as the table kind picks)."""
-    kind, rest = name.split("_", 1)
-    if kind not in ROPE_KINDS:
-        return (name,)
-    return tuple(n for n in (f"{k}_{rest}" for k in ROPE_KINDS) if n in _ALL)
-
-
-_ALL = frozenset(all_kernels())
+ALL = frozenset(all_kernels())
 _NAME = re.compile(r"^(" + "|".join(KINDS) + r")_(f32|f16|bf16)_v(\d+)_([ni])_([fb])$")
 
 
-def entry_line(name: str) -> str:
-    """The macro line that instantiates kernel ``name``."""
+def parse_name(name: str) -> tuple[str, str, int, bool, bool]:
+    """(kind, dtype, vec, interleaved, backward) of a ``kernel_name``; ValueError if it is not one."""
     m = _NAME.match(name)
     if not m:
         raise ValueError(f"unknown kernel name {name!r}")
     kind, short, vec, il, bw = m.groups()
-    dtype = {v: k for k, v in SHORT.items()}[short]
-    ctype = CTYPES[dtype][0]
-    return (f"{KINDS[kind]}({name}, {ctype}, {vec}, {'true' if il == 'i' else 'false'}, "
-            f"{'true' if bw == 'b' else 'false'})")
+    return kind, {v: k for k, v in SHORT.items()}[short], int(vec), il == "i", bw == "b"
+
+
+def entry_line(name: str) -> str:
+    """The macro line that instantiates kernel ``name``."""
+    kind, dtype, vec, il, bw = parse_name(name)
+    return (f"{KINDS[kind]}({name}, {CTYPES[dtype][0]}, {vec}, {'true' if il else 'false'}, "
+            f"{'true' if bw else 'false'})")
 
 
 def source_dir() -> Path:

@@ -34,6 +34,17 @@ _MIXED = True
 # Fixed like the constants above; the benchmark harness's --tune ONE_ROW_BLOCK=N changes it in
 # its own process.
 _ONE_ROW_BLOCK = 64
+# The widest vector (elements; 0: any) of a small one-row launch with an angle table (``rope1``),
+# whose threads compute one sincosf per rotary pair they hold: 16-bit dtypes take 8-byte vectors
+# (four sincosf per thread, twice the threads) when the launch still has one row per thread with
+# them and at most _NARROW_THREADS_PER_SM threads per SM. A decode step leaves about one warp per
+# scheduler, and each thread's chain is what it waits for; with more warps the doubled memory
+# instructions cost more than the shorter chains save. H200, one session, forward us of decode
+# steps (32 heads, d 128, bf16) with 16- / 8-byte vectors: 32 sequences 1.78-1.81 / 1.57, 64
+# sequences 1.89-1.90 / 1.77-1.78, 128 sequences 2.13-2.17 / 2.39 (benchmarks/NOTES.md). Fixed like
+# the constants above; the benchmark harness's --tune ONE_ROW_ANGLE_VEC=N changes it.
+_ONE_ROW_ANGLE_VEC = 4
+_NARROW_THREADS_PER_SM = 256
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -84,6 +95,25 @@ def fast_divisor(d: int) -> int:
     return m | s << 32
 
 
+def one_row_vec(kind: str, vec: int) -> int:
+    """The vector width (elements) a launch of kernel ``kind`` planned with ``vec`` may take:
+    ``rope1`` (small launches, ``rope_launch``) at most ``_ONE_ROW_ANGLE_VEC``."""
+    return min(vec, _ONE_ROW_ANGLE_VEC) if kind == "rope1" and _ONE_ROW_ANGLE_VEC else vec
+
+
+def launch_alternatives(name: str) -> tuple[str, ...]:
+    """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
+    device that runs it (a traced JAX call plans without the device's SM count): a rope launch a
+    streaming kernel (``rope_``, ``ropem_``, as its rows pick) or a one-row kernel (``rope1_``,
+    ``rope1c_``, as the table kind picks; ``rope1_`` also at its narrower width, ``one_row_vec``)."""
+    kind, dtype, vec, il, bw = _kernels.parse_name(name)
+    if kind not in _kernels.ROPE_KINDS:
+        return (name,)
+    names = [_kernels.kernel_name(k, dtype, vec, il, bw) for k in _kernels.ROPE_KINDS]
+    names.append(_kernels.kernel_name("rope1", dtype, one_row_vec("rope1", vec), il, bw))
+    return tuple(n for n in dict.fromkeys(names) if n in _kernels.ALL)
+
+
 def blocks_for(threads: int, block: int = 0) -> int:
     return -(-threads // (block or _kernels.BLOCK))
 
@@ -129,20 +159,33 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
     row i runs tensor i. The vector width is the widest valid for every array of the launch; a
     one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
-    tensor has a single row and the table holds angles or cos/sin.
+    tensor has a single row and the table holds angles or cos/sin, with an angle table at most
+    ``one_row_vec`` wide where the launch still has one row per thread with it and is small
+    (``_NARROW_THREADS_PER_SM``).
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
     vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
     pos = _abi.pos_values(p0.pos, cu, sp, ids)
-    blocks, threads = [], []
-    for plan, (x, y) in zip(plans, tensors):
-        vals, nt = _rope_vals(plan, x, y, freqs, vec, sm_count)
-        blocks.append({**vals, **pos})
-        threads.append(nt)
-    kind = "rope"
-    if _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
-        kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
+
+    def split(v):
+        """(kind, parameter blocks, threads) of the launch with vectors of ``v`` elements."""
+        blocks, threads = [], []
+        for plan, (x, y) in zip(plans, tensors):
+            vals, nt = _rope_vals(plan, x, y, freqs, v, sm_count)
+            blocks.append({**vals, **pos})
+            threads.append(nt)
+        kind = "rope"
+        if _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+            kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
+        return kind, blocks, threads
+
+    kind, blocks, threads = split(vec)
+    narrow = one_row_vec(kind, vec)
+    if narrow != vec:  # valid too: a narrower vector divides whatever the wider one divides
+        alt = split(narrow)
+        if alt[0] == kind and max(alt[2]) <= sm_count * _NARROW_THREADS_PER_SM:  # one row per thread, few threads
+            vec, (kind, blocks, threads) = narrow, alt
     if (kind == "rope" and _MIXED and vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
             and any(b["n_rot_units"] < b["n_units"] for b in blocks)):
         kind = "ropem"

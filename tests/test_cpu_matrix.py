@@ -10,7 +10,7 @@ import cupy_rope
 from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
-from cases import inputs, matrix
+from cases import NP_DTYPES, inputs, matrix
 from reference import assert_close_to_ref, rope_ref
 
 CASES = matrix()
@@ -98,6 +98,50 @@ def test_host_kernel_vector_widths(vec_case, dtype, kernel):
         assert ("_v1_" in name) == (vec_case == "scalar"), name
         y = _hostkernels.run_rope(plan, x, freqs, out=out)
         assert_close_to_ref(y, rope_ref(x, freqs, interleaved=interleaved), x, 96, dtype, name)
+
+
+def test_one_row_angle_launch_width(monkeypatch):
+    """Small one-row launches with an angle table take vectors of at most ``_ONE_ROW_ANGLE_VEC``
+    elements (8 bytes of a 16-bit dtype) where the launch keeps one row per thread with them and
+    has at most ``_NARROW_THREADS_PER_SM`` threads per SM, the widest valid vector where only
+    that does, and the streaming kernel where neither does; other launches are not narrowed.
+    Each launch's output is checked against the reference on the host build."""
+    rng = np.random.default_rng(11)
+    # a decode step: 64 sequences of one token, 32 heads: 16,384 threads with 16-byte vectors
+    sp = rng.integers(0, 90, 64).astype(np.int32)
+    freqs = rng.uniform(-40, 40, (100, 1, 1, 128)).astype(np.float32)
+    limit = _worksplit._ONE_ROW_THREADS
+    cases = [  # (dtype, SMs, cap, one-row thread limit) -> kernel
+        ("bfloat16", 132, 4, limit, "rope1_bf16_v4_n_f"),
+        ("float16", 132, 4, limit, "rope1_f16_v4_n_f"),
+        ("float32", 132, 4, limit, "rope1_f32_v4_n_f"),  # 16 bytes: not narrowed
+        ("bfloat16", 132, 0, limit, "rope1_bf16_v8_n_f"),  # no cap
+        ("bfloat16", 132, 2, limit, "rope1_bf16_v8_n_f"),  # 2-element vectors: over 256 threads per SM
+        ("bfloat16", 264, 2, limit, "rope1_bf16_v2_n_f"),
+        ("bfloat16", 100, 4, limit, "rope1_bf16_v8_n_f"),  # narrowed, over 256 threads per SM
+        ("bfloat16", 40, 4, limit, "rope1_bf16_v8_n_f"),  # one row per thread only with 16-byte vectors
+        ("bfloat16", 20, 4, limit, "rope_bf16_v8_n_f"),  # with neither: the streaming kernel
+        ("bfloat16", 132, 4, 2**15 - 1, "rope1_bf16_v8_n_f"),  # 32-bit indices only with 16-byte vectors
+    ]
+    names, orig = [], _hostkernels.launch
+    monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
+    for dtype, sms, cap, lim, want in cases:
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", cap)
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", lim)
+        x = rng.uniform(-2, 2, (64, 1, 32, 128)).astype(NP_DTYPES[dtype])
+        plan = _plan.resolve_rope(info(x), info(freqs), "bshd", False, None, info(sp), 1, 0, None, False)
+        out = np.full(x.shape, np.nan, dtype=x.dtype)
+        spec = plan.launch(info(x), info(out), info(freqs), None, info(sp), sms)
+        assert spec.name == want, (dtype, sms, cap, lim, spec.name)
+        one_row = want.startswith("rope1_")
+        assert spec.block == (_worksplit._ONE_ROW_BLOCK if one_row else _kernels.BLOCK), spec.block
+        vec = int(want.split("_")[2][1:])
+        assert spec.grid[0] == _worksplit.blocks_for(64 * 32 * 64 // vec, spec.block) or not one_row, spec.grid
+        names.clear()
+        y = _hostkernels.run_rope(plan, x, freqs, None, sp, out=out, sm_count=sms)
+        assert names == [want], names
+        ref = rope_ref(x, freqs, "bshd", start_positions=sp)
+        assert_close_to_ref(y, ref, x, 128, dtype, want)
 
 
 def test_in_place_and_out():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cupy_rope import _abi, _kernels, _plan
+from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_pos_ref, rope_ref
@@ -50,12 +50,14 @@ def _run(name, tail, fw, monkeypatch):
     call is small (one row per thread): the streaming kernels (``rope``, ``ropem``) are forced by
     turning the one-row kernels (``rope1``, ``rope1c``) off, ``rope`` rather than ``ropem`` (whose
     rows these are: they have a tail) by turning the mixed kernels off, and the launch cache is
-    emptied so that the call is planned. ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for
-    ``tail`` 2, a cache in the tensors' dtype for ``tail`` 1."""
-    from cupy_rope import _launch, _worksplit
+    emptied so that the call is planned; ``rope1`` at width ``v`` by raising its width cap to it.
+    ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for ``tail``
+    2, a cache in the tensors' dtype for ``tail`` 1."""
+    from cupy_rope import _launch
 
     kind, dtype, v, il, bw = _parse(name)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kind in ("rope1", "rope1c"))
+    monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)  # rope1 at every width it has
     monkeypatch.setattr(_worksplit, "_MIXED", kind == "ropem")
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
@@ -198,12 +200,18 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
 def test_launch_alternatives():
     """A traced JAX call plans without the device's SM count and compiles every kernel the
     device's work split may pick: a rope launch's three kernels (four with 16-byte vectors: the
-    mixed kernel too), a QKV launch's one."""
+    mixed kernel too; the one-row angle kernel at its own width), a QKV launch's one."""
     names = set(_kernels.all_kernels())
     for name in names:
-        alts = _kernels.launch_alternatives(name)
+        alts = _worksplit.launch_alternatives(name)
         assert name in alts and set(alts) <= names, (name, alts)
-        kind, dtype, v, _, _ = _parse(name)
+        kind, dtype, v, il, bw = _parse(name)
+        assert _kernels.parse_name(name) == (kind, dtype, v, il, bw)
         sixteen = v * _kernels.CTYPES[dtype][1] == _kernels.MIXED_BYTES
-        assert len(alts) == (1 if kind == "qkv" else 4 if sixteen else 3), (name, alts)
+        narrow = min(v, _worksplit._ONE_ROW_ANGLE_VEC)  # rope1 also at this width
+        assert len(alts) == (1 if kind == "qkv" else 3 + sixteen + (narrow < v)), (name, alts)
+        if kind != "qkv":
+            assert _kernels.kernel_name("rope1", dtype, narrow, il, bw) in alts, (name, alts)
     assert sum(n.startswith("ropem_") for n in names) == 12  # 3 dtypes x interleaved x direction
+    with pytest.raises(ValueError, match="unknown kernel name"):
+        _kernels.parse_name("rope_bf16_v3x_n_f")

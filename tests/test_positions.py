@@ -209,8 +209,10 @@ def test_fast_divisor_matches_integer_division():
 def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
     """Launches whose thread indices reach ``_ONE_ROW_THREADS`` (2^31: the one-row kernels' 32-bit
     index arithmetic) run on the streaming kernel, with the same results; a launch exactly at
-    the limit still runs the one-row kernel (limit lowered to each case's launch size)."""
+    the limit still runs the one-row kernel (limit lowered to each case's launch size). One vector
+    width (``_ONE_ROW_ANGLE_VEC`` off): narrowed, a launch past the limit would take the wider one."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", 0)
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1])) or orig(name, *a))
     for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:

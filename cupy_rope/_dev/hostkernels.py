@@ -180,11 +180,12 @@ def _np_info(a):
     return None if a is None else info(a, "numpy")
 
 
-def run_rope(plan, x: np.ndarray, freqs: np.ndarray, cu=None, sp=None, out=None) -> np.ndarray:
-    """Run the rope kernel for ``plan`` on NumPy arrays; returns ``out`` (new if None)."""
+def run_rope(plan, x: np.ndarray, freqs: np.ndarray, cu=None, sp=None, out=None, sm_count=4) -> np.ndarray:
+    """Run the rope kernel for ``plan`` (work split for ``sm_count`` SMs) on NumPy arrays; returns
+    ``out`` (new if None)."""
     y = np.empty(plan.shape, x.dtype) if out is None else out
     with fenced((x, y, freqs, cu, sp), writes=(1,)) as arrays:
-        name, grid, block, params = plan.launch(*map(_np_info, arrays), sm_count=4)
+        name, grid, block, params = plan.launch(*map(_np_info, arrays), sm_count=sm_count)
         if x.size:
             launch(name, grid, block, params)
     return y
