@@ -118,7 +118,8 @@ def test_one_row_angle_launch_width(monkeypatch):
         ("bfloat16", 132, 0, limit, "rope1_bf16_v8_n_f"),  # no cap
         ("bfloat16", 132, 2, limit, "rope1_bf16_v8_n_f"),  # 2-element vectors: over 256 threads per SM
         ("bfloat16", 264, 2, limit, "rope1_bf16_v2_n_f"),
-        ("bfloat16", 100, 4, limit, "rope1_bf16_v8_n_f"),  # narrowed, over 256 threads per SM
+        ("bfloat16", 128, 4, limit, "rope1_bf16_v4_n_f"),  # narrowed: 256 threads per SM
+        ("bfloat16", 127, 4, limit, "rope1_bf16_v8_n_f"),  # narrowed, over 256 threads per SM
         ("bfloat16", 40, 4, limit, "rope1_bf16_v8_n_f"),  # one row per thread only with 16-byte vectors
         ("bfloat16", 20, 4, limit, "rope_bf16_v8_n_f"),  # with neither: the streaming kernel
         ("bfloat16", 132, 4, 2**15 - 1, "rope1_bf16_v8_n_f"),  # 32-bit indices only with 16-byte vectors
