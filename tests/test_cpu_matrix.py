@@ -1,6 +1,7 @@
 """The spec matrix on the CPU: the NumPy backend and the host build of the CUDA kernels,
 both against the independent float64 reference, forward and backward."""
 
+import itertools
 import struct
 
 import numpy as np
@@ -109,7 +110,8 @@ def test_one_row_angle_launch_width(monkeypatch):
     rng = np.random.default_rng(11)
     # a decode step: 64 sequences of one token, 32 heads: 16,384 threads with 16-byte vectors
     sp = rng.integers(0, 90, 64).astype(np.int32)
-    freqs = rng.uniform(-40, 40, (100, 1, 1, 128)).astype(np.float32)
+    # a standard table (equal angles per pair: cos/sin held per unit) and a random one (kFresh)
+    tables = [cupy_rope.rope_freqs(128, 100), rng.uniform(-40, 40, (100, 1, 1, 128)).astype(np.float32)]
     limit = _worksplit._ONE_ROW_THREADS
     cases = [  # (dtype, SMs, cap, one-row thread limit) -> kernel
         ("bfloat16", 132, 4, limit, "rope1_bf16_v4_n_f"),
@@ -126,7 +128,7 @@ def test_one_row_angle_launch_width(monkeypatch):
     ]
     names, orig = [], _hostkernels.launch
     monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
-    for dtype, sms, cap, lim, want in cases:
+    for (dtype, sms, cap, lim, want), freqs in itertools.product(cases, tables):
         monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", cap)
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", lim)
         x = rng.uniform(-2, 2, (64, 1, 32, 128)).astype(NP_DTYPES[dtype])
