@@ -45,6 +45,15 @@ _ONE_ROW_BLOCK = 64
 # the constants above; the benchmark harness's --tune ONE_ROW_ANGLE_VEC=N changes it.
 _ONE_ROW_ANGLE_VEC = 4
 _NARROW_THREADS_PER_SM = 256
+# Rope rows of a unit count that is not a power of two (head sizes 80, 96, 112 with 16-byte
+# vectors) aim at _ODD_UNITS_FACTOR times _THREADS_PER_SM, keeping at least two rows per thread:
+# their launches at 512 threads per SM had 2.4-2.9 blocks per SM and 8-16 rows per thread. H200,
+# one session, forward us at 512 / 1024 / 2048 / 4096 threads per SM: sbhd 4096x2x32x80 30.2-31.1
+# / 28.7-28.9 / 27.6-27.7 / 30.7-31.2; sbhd 4096x2x32x96 32.5-33.3 / 32.1-32.2 / 31.5-31.8 /
+# 33.0-33.3; bshd 4x4096x16x80 32.1-32.8 / 29.6-29.7 / 27.2-27.6 / 31.3-31.4; bshd 2x8192x8x80
+# 16.7-17.2 / 15.9-16.0 / 16.9-17.3 / 22.7-23.0; head size 128 (8 units) best at 512
+# (benchmarks/NOTES.md). Fixed like the constants above; --tune ODD_UNITS_FACTOR=N changes it.
+_ODD_UNITS_FACTOR = 4
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -65,22 +74,31 @@ def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
     return 1
 
 
-def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int):
+def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int,
+               odd_units_factor: int = 1):
     """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
     n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
     units of ``tail_w`` vectors (the pass-through channels; with the rotary slice at an offset,
     those before it, then those after it: the kernel places each vector on its own, and the
     offset is a multiple of ``vec``, so no vector spans both). A thread takes one
-    unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is the fewest chunks that give the device
-    ``_THREADS_PER_SM`` threads per SM. Returns (n_rot, n_units, tail_w, C, threads) where
-    threads = n_tok * n_sets * C * n_units.
+    unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is
+    the fewest chunks that give the device ``_THREADS_PER_SM`` threads per SM; where ``n_units``
+    is not a power of two, ``odd_units_factor`` times as many, as long as every thread keeps two
+    rows or more (rope launches pass ``_ODD_UNITS_FACTOR``). Returns (n_rot, n_units, tail_w, C,
+    threads) where threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
     tail = d - d2
     tail_w = 2 if tail % (2 * vec) == 0 else 1
     n_units = n_rot + tail // (tail_w * vec)
     per_chunk = n_tok * n_sets * n_units
-    chunks = max(1, min(rows, -(-sm_count * _THREADS_PER_SM // max(per_chunk, 1))))
+
+    def fewest(threads_per_sm):
+        return max(1, min(rows, -(-sm_count * threads_per_sm // max(per_chunk, 1))))
+
+    chunks = fewest(_THREADS_PER_SM)
+    if n_units & (n_units - 1):  # a factor of 1 leaves the fewest chunks
+        chunks = max(chunks, min(fewest(_THREADS_PER_SM * odd_units_factor), rows // 2))
     return n_rot, n_units, tail_w, chunks, per_chunk * chunks
 
 
@@ -141,7 +159,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
     ys0, ys1 = token_strides(plan.layout, y)
     xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
-                                                         vec, sm_count)
+                                                         vec, sm_count, _ODD_UNITS_FACTOR)
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,

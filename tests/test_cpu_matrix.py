@@ -40,6 +40,7 @@ def kernel(request, monkeypatch):
     the streaming kernel given one row per thread) and all rows of a token in one thread (a small
     device)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if request.param == "max_rows" else 10**9)
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", request.param == "one_row")
     return request.param
 
@@ -209,3 +210,35 @@ def test_work_split_ends():
             assert chunks == max(1, min(rows, -(-sm // (n_tok * n_units)))) and threads == n_tok * n_units * chunks
         finally:
             _worksplit._THREADS_PER_SM = saved
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_odd_units_split(dtype, monkeypatch):
+    """Rows of a unit count that is not a power of two (head size 80: 5 units of 16-byte vectors)
+    take _ODD_UNITS_FACTOR times the threads, at least two rows per thread kept; other unit counts
+    and the QKV split keep the fewest chunks. The kernels run the raised split (chunks of unequal
+    row counts) right."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 8)
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 4)
+    split = _worksplit.split_work
+    assert split(6, 1, 12, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no factor; ceil(4 * 8 / 30)
+    assert split(6, 1, 12, 80, 80, 8, 4, 4)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
+    assert split(6, 1, 8, 80, 80, 8, 4, 4)[3] == 4  # at most rows // 2 chunks
+    assert split(6, 1, 3, 80, 80, 8, 4, 4)[3] == 2  # never fewer than without the factor
+    assert split(6, 1, 12, 64, 64, 8, 4, 4)[1:4:2] == (4, 2)  # 4 units: unchanged
+    assert split(6, 1, 12, 80, 80, 8, 4, 1)[3] == 2
+    rng = np.random.default_rng(11)
+    x = rng.uniform(-2, 2, (2, 3, 12, 80)).astype(NP_DTYPES[dtype])
+    kw = dict(layout="sbhd", interleaved=False, cp_size=1, cp_rank=0)
+    for f in (rng.uniform(-9, 9, (8, 1, 1, 80)).astype(np.float32), cupy_rope.rope_freqs(80, 8)):
+        for backward in (False, True):
+            plan = _plan_for(x, f, kw, backward)
+            name, _, _, params = plan.launch(info(x), info(x), info(f), None, None, 4)
+            vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",
+                                                              params[:8 * len(_abi.ROPE_FIELDS)])))
+            # bf16: 5 units, ceil(128 / 30) = 5 chunks (rows 3 or 2 each); float32: 10, ceil(128 / 60) = 3
+            want = ("rope", 5, 5) if dtype == "bfloat16" else ("rope", 10, 3)
+            assert (name.split("_")[0], vals["n_units"], vals["n_chunks"]) == want, vals
+            out = np.full(x.shape, np.nan, dtype=x.dtype)
+            y = _hostkernels.run_rope(plan, x, f, out=out)
+            assert_close_to_ref(y, rope_ref(x, f, backward=backward, **kw), x, 80, dtype, f"odd units {dtype}")

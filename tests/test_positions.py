@@ -142,6 +142,7 @@ def test_host_kernels(case, kernel, monkeypatch):
     streaming kernel), on the streaming kernel given one row per thread, and with all rows in one
     thread."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if kernel == "max_rows" else 10**9)
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
