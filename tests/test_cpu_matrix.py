@@ -215,20 +215,21 @@ def test_work_split_ends():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_odd_units_split(dtype, monkeypatch):
     """Rows of a unit count that is not a power of two (head size 80: 5 units of 16-byte vectors)
-    take _ODD_UNITS_FACTOR times the threads, at least two rows per thread kept; other unit counts
-    and the QKV split keep the fewest chunks. The kernels run the raised split (chunks of unequal
-    row counts) right."""
+    take _ODD_UNITS_FACTOR times the threads, at least _ODD_UNITS_MIN_ROWS rows per thread kept;
+    other unit counts and the QKV split keep the fewest chunks. The kernels run the raised split
+    (chunks of unequal row counts) right."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 8)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 4)
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_MIN_ROWS", 4)
     split = _worksplit.split_work
-    assert split(6, 1, 12, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no factor; ceil(4 * 8 / 30)
-    assert split(6, 1, 12, 80, 80, 8, 4, 4)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
-    assert split(6, 1, 8, 80, 80, 8, 4, 4)[3] == 4  # at most rows // 2 chunks
-    assert split(6, 1, 3, 80, 80, 8, 4, 4)[3] == 2  # never fewer than without the factor
-    assert split(6, 1, 12, 64, 64, 8, 4, 4)[1:4:2] == (4, 2)  # 4 units: unchanged
-    assert split(6, 1, 12, 80, 80, 8, 4, 1)[3] == 2
+    assert split(6, 1, 22, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no factor; ceil(4 * 8 / 30)
+    assert split(6, 1, 22, 80, 80, 8, 4, 4)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
+    assert split(6, 1, 16, 80, 80, 8, 4, 4)[3] == 4  # at most rows // 4 chunks
+    assert split(6, 1, 7, 80, 80, 8, 4, 4)[3] == 2  # never fewer than without the factor
+    assert split(6, 1, 22, 64, 64, 8, 4, 4)[1:4:2] == (4, 2)  # 4 units: unchanged
+    assert split(6, 1, 22, 80, 80, 8, 4, 1)[3] == 2
     rng = np.random.default_rng(11)
-    x = rng.uniform(-2, 2, (2, 3, 12, 80)).astype(NP_DTYPES[dtype])
+    x = rng.uniform(-2, 2, (2, 3, 22, 80)).astype(NP_DTYPES[dtype])
     kw = dict(layout="sbhd", interleaved=False, cp_size=1, cp_rank=0)
     for f in (rng.uniform(-9, 9, (8, 1, 1, 80)).astype(np.float32), cupy_rope.rope_freqs(80, 8)):
         for backward in (False, True):
@@ -236,7 +237,7 @@ def test_odd_units_split(dtype, monkeypatch):
             name, _, _, params = plan.launch(info(x), info(x), info(f), None, None, 4)
             vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",
                                                               params[:8 * len(_abi.ROPE_FIELDS)])))
-            # bf16: 5 units, ceil(128 / 30) = 5 chunks (rows 3 or 2 each); float32: 10, ceil(128 / 60) = 3
+            # bf16: 5 units, ceil(128 / 30) = 5 chunks (rows 5 or 4 each); float32: 10, ceil(128 / 60) = 3
             want = ("rope", 5, 5) if dtype == "bfloat16" else ("rope", 10, 3)
             assert (name.split("_")[0], vals["n_units"], vals["n_chunks"]) == want, vals
             out = np.full(x.shape, np.nan, dtype=x.dtype)

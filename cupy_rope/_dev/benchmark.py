@@ -634,11 +634,13 @@ def apply_tuning(spec: str, ap) -> None:
             _worksplit._MIXED = bool(int(val))
         elif key == "ODD_UNITS_FACTOR":
             _worksplit._ODD_UNITS_FACTOR = int(val)
+        elif key == "ODD_UNITS_MIN_ROWS":
+            _worksplit._ODD_UNITS_MIN_ROWS = int(val)
         elif key == "DEFINES":
             _kernels.DEFINES = tuple(v for v in val.split(";") if v)
         else:
             ap.error(f"--tune: unknown {key!r}, expected THREADS_PER_SM, MAX_VEC_BYTES, ONE_ROW_BLOCK, "
-                     "ONE_ROW_ANGLE_VEC, MIXED, ODD_UNITS_FACTOR or DEFINES")
+                     "ONE_ROW_ANGLE_VEC, MIXED, ODD_UNITS_FACTOR, ODD_UNITS_MIN_ROWS or DEFINES")
 
 
 def main(argv=None):
@@ -652,7 +654,7 @@ def main(argv=None):
     ap.add_argument("--plot", help="write a PNG of %% of copy bandwidth per shape")
     ap.add_argument("--tune", default="", help="tuning variant, this process only: comma-separated "
                     "THREADS_PER_SM=N, MAX_VEC_BYTES=N (0: 16), ONE_ROW_BLOCK=N, ONE_ROW_ANGLE_VEC=N (0: any), "
-                    "MIXED=0|1, ODD_UNITS_FACTOR=N, "
+                    "MIXED=0|1, ODD_UNITS_FACTOR=N, ODD_UNITS_MIN_ROWS=N, "
                     "DEFINES=-DNAME=V;-DNAME=V (kernel build)")
     a = ap.parse_args(argv)
     apply_tuning(a.tune, ap)
