@@ -46,14 +46,14 @@ _ONE_ROW_BLOCK = 64
 _ONE_ROW_ANGLE_VEC = 4
 _NARROW_THREADS_PER_SM = 256
 # Rope rows of a unit count that is not a power of two (head sizes 80, 96, 112 with 16-byte
-# vectors) aim at _ODD_UNITS_FACTOR times _THREADS_PER_SM, keeping at least four rows per thread
-# (_ODD_UNITS_MIN_ROWS; the fastest splits below had 4-6):
-# their launches at 512 threads per SM had 2.4-2.9 blocks per SM and 8-16 rows per thread. H200,
-# one session, forward us at 512 / 1024 / 2048 / 4096 threads per SM: sbhd 4096x2x32x80 30.2-31.1
-# / 28.7-28.9 / 27.6-27.7 / 30.7-31.2; sbhd 4096x2x32x96 32.5-33.3 / 32.1-32.2 / 31.5-31.8 /
-# 33.0-33.3; bshd 4x4096x16x80 32.1-32.8 / 29.6-29.7 / 27.2-27.6 / 31.3-31.4; bshd 2x8192x8x80
-# 16.7-17.2 / 15.9-16.0 / 16.9-17.3 / 22.7-23.0; head size 128 (8 units) best at 512
-# (benchmarks/NOTES.md). Fixed like the constants above; --tune ODD_UNITS_FACTOR=N changes it.
+# vectors) aim at _ODD_UNITS_FACTOR times _THREADS_PER_SM, as long as every thread keeps at least
+# _ODD_UNITS_MIN_ROWS rows: at 512 threads per SM their launches had 2.4-2.9 blocks per SM and 8-16
+# rows per thread, and the fastest splits had 4-6 rows. H200, one session, forward us at 512 /
+# 1024 / 2048 / 4096 threads per SM: sbhd 4096x2x32x80 30.2-31.1 / 28.7-28.9 / 27.6-27.7 /
+# 30.7-31.2; sbhd 4096x2x32x96 32.5-33.3 / 32.1-32.2 / 31.5-31.8 / 33.0-33.3; bshd 4x4096x16x80
+# 32.1-32.8 / 29.6-29.7 / 27.2-27.6 / 31.3-31.4; bshd 2x8192x8x80 16.7-17.2 / 15.9-16.0 / 16.9-17.3 /
+# 22.7-23.0; head size 128 (8 units) best at 512 (benchmarks/NOTES.md). Fixed like the constants
+# above; --tune ODD_UNITS_FACTOR=N / ODD_UNITS_MIN_ROWS=N change them.
 _ODD_UNITS_FACTOR = 4
 _ODD_UNITS_MIN_ROWS = 4
 
@@ -86,8 +86,8 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
     unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is
     the fewest chunks that give the device ``_THREADS_PER_SM`` threads per SM; where ``n_units``
     is not a power of two, ``odd_units_factor`` times as many, as long as every thread keeps
-    ``_ODD_UNITS_MIN_ROWS`` rows or more (rope launches pass ``_ODD_UNITS_FACTOR``). Returns (n_rot, n_units, tail_w, C,
-    threads) where threads = n_tok * n_sets * C * n_units.
+    ``_ODD_UNITS_MIN_ROWS`` rows or more (rope launches pass ``_ODD_UNITS_FACTOR``). Returns
+    (n_rot, n_units, tail_w, C, threads) where threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
     tail = d - d2
