@@ -119,6 +119,37 @@ def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     assert [n.split("_")[0] for n in names] in (["rope1", "rope", "rope"], ["rope1", "ropem", "rope"]), names
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_odd_units_split(dtype, backward, monkeypatch):
+    """Head size 80 (5 units of 16-byte vectors; float32 10) in a launch that the odd-unit rule
+    splits into more chunks than the fewest (64 threads per SM asked of the device): the launch
+    runs the rule's split (chunks of unequal row counts), results against the reference."""
+    import struct
+
+    from cupy_rope import _abi, _launch, _worksplit
+    from cases import NP_DTYPES
+
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 64)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    specs, orig = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: specs.append(spec) or orig(spec, *a, **k))
+    rng = np.random.default_rng(12)
+    x = rng.uniform(-2, 2, (256, 2, 30, 80)).astype(NP_DTYPES[dtype])
+    f = cupy_rope.rope_freqs(80, 256)
+    fn = cupy_rope.apply_rope_backward if backward else cupy_rope.apply_rope
+    y = to_host(fn(to_dev(x, "cupy"), to_dev(f, "cupy"), "sbhd"), "cupy")
+    assert_close_to_ref(y, rope_ref(x, f, backward=backward), x, 80, dtype, f"odd units {dtype}")
+    vec = 8 if dtype == "bfloat16" else 4
+    sm = _launch.sm_count(0)
+    want = _worksplit.split_work(512, 1, 30, 80, 80, vec, sm, _worksplit._ODD_UNITS_FACTOR)[3]
+    if want == _worksplit.split_work(512, 1, 30, 80, 80, vec, sm)[3]:
+        pytest.skip(f"the odd-unit rule does not change this split on {sm} SMs")
+    vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",
+                                                      specs[-1].params[:8 * len(_abi.ROPE_FIELDS)])))
+    assert (specs[-1].name.split("_")[0], vals["n_units"], vals["n_chunks"]) == ("rope", 80 // 2 // vec, want)
+
+
 @pytest.mark.parametrize("fw", ["cupy", "torch"])
 def test_gpu_qkv(fw):
     from test_cpu_qkv import GRID, qkv_case
