@@ -77,7 +77,7 @@ def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
 
 
 def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm_count: int,
-               odd_units_factor: int = 1):
+               odd_units: bool = False):
     """Each token has ``n_sets`` sets (rope: 1; QKV: groups) of ``rows`` rows (heads; a group's
     n + 2 rows), each row ``n_units`` units: rotary units of 2 ``vec``-wide vectors, then tail
     units of ``tail_w`` vectors (the pass-through channels; with the rotary slice at an offset,
@@ -85,8 +85,8 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
     offset is a multiple of ``vec``, so no vector spans both). A thread takes one
     unit of the rows c, c + C, ... of one set (chunk c of C) and computes its cos/sin once: C is
     the fewest chunks that give the device ``_THREADS_PER_SM`` threads per SM; where ``n_units``
-    is not a power of two, ``odd_units_factor`` times as many, as long as every thread keeps
-    ``_ODD_UNITS_MIN_ROWS`` rows or more (rope launches pass ``_ODD_UNITS_FACTOR``). Returns
+    is not a power of two and ``odd_units`` is set (rope launches), ``_ODD_UNITS_FACTOR`` times as
+    many, as long as every thread keeps ``_ODD_UNITS_MIN_ROWS`` rows or more. Returns
     (n_rot, n_units, tail_w, C, threads) where threads = n_tok * n_sets * C * n_units.
     """
     n_rot = d2 // 2 // vec
@@ -99,8 +99,8 @@ def split_work(n_tok: int, n_sets: int, rows: int, d: int, d2: int, vec: int, sm
         return max(1, min(rows, -(-sm_count * threads_per_sm // max(per_chunk, 1))))
 
     chunks = fewest(_THREADS_PER_SM)
-    if n_units & (n_units - 1):  # a factor of 1 leaves the fewest chunks
-        chunks = max(chunks, min(fewest(_THREADS_PER_SM * odd_units_factor), rows // _ODD_UNITS_MIN_ROWS))
+    if odd_units and n_units & (n_units - 1):
+        chunks = max(chunks, min(fewest(_THREADS_PER_SM * _ODD_UNITS_FACTOR), rows // _ODD_UNITS_MIN_ROWS))
     return n_rot, n_units, tail_w, chunks, per_chunk * chunks
 
 
@@ -161,7 +161,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
     ys0, ys1 = token_strides(plan.layout, y)
     xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
-                                                         vec, sm_count, _ODD_UNITS_FACTOR)
+                                                         vec, sm_count, odd_units=True)
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,

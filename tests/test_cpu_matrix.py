@@ -222,12 +222,14 @@ def test_odd_units_split(dtype, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 4)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_MIN_ROWS", 4)
     split = _worksplit.split_work
-    assert split(6, 1, 22, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no factor; ceil(4 * 8 / 30)
-    assert split(6, 1, 22, 80, 80, 8, 4, 4)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
-    assert split(6, 1, 16, 80, 80, 8, 4, 4)[3] == 4  # at most rows // 4 chunks
-    assert split(6, 1, 7, 80, 80, 8, 4, 4)[3] == 2  # never fewer than without the factor
-    assert split(6, 1, 22, 64, 64, 8, 4, 4)[1:4:2] == (4, 2)  # 4 units: unchanged
-    assert split(6, 1, 22, 80, 80, 8, 4, 1)[3] == 2
+    assert split(6, 1, 22, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no rule; ceil(4 * 8 / 30)
+    assert split(6, 1, 22, 80, 80, 8, 4, True)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
+    assert split(6, 1, 16, 80, 80, 8, 4, True)[3] == 4  # at most rows // 4 chunks
+    assert split(6, 1, 7, 80, 80, 8, 4, True)[3] == 2  # never fewer than without the rule
+    assert split(6, 1, 22, 64, 64, 8, 4, True)[1:4:2] == (4, 2)  # 4 units: unchanged
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
+    assert split(6, 1, 22, 80, 80, 8, 4, True)[3] == 2  # a factor of 1: the fewest chunks
+    monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 4)
     rng = np.random.default_rng(11)
     x = rng.uniform(-2, 2, (2, 3, 22, 80)).astype(NP_DTYPES[dtype])
     kw = dict(layout="sbhd", interleaved=False, cp_size=1, cp_rank=0)

@@ -142,7 +142,7 @@ def test_gpu_odd_units_split(dtype, backward, monkeypatch):
     assert_close_to_ref(y, rope_ref(x, f, backward=backward), x, 80, dtype, f"odd units {dtype}")
     vec = 8 if dtype == "bfloat16" else 4
     sm = _launch.sm_count(0)
-    want = _worksplit.split_work(512, 1, 30, 80, 80, vec, sm, _worksplit._ODD_UNITS_FACTOR)[3]
+    want = _worksplit.split_work(512, 1, 30, 80, 80, vec, sm, odd_units=True)[3]
     if want == _worksplit.split_work(512, 1, 30, 80, 80, vec, sm)[3]:
         pytest.skip(f"the odd-unit rule does not change this split on {sm} SMs")
     vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",

@@ -616,31 +616,24 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+# --tune keys: the work split's constants (cupy_rope._worksplit, each an int but MIXED, 0 or 1) and
+# DEFINES, the kernel build's extra defines
+_TUNE_INTS = ("THREADS_PER_SM", "MAX_VEC_BYTES", "ONE_ROW_BLOCK", "ONE_ROW_ANGLE_VEC", "MIXED", "ODD_UNITS_FACTOR",
+              "ODD_UNITS_MIN_ROWS")
+
+
 def apply_tuning(spec: str, ap) -> None:
     """Set the library's tuning constants for this process (benchmark variants; never the default)."""
     from .. import _kernels, _worksplit
 
     for item in filter(None, spec.split(",")):
         key, _, val = item.partition("=")
-        if key == "THREADS_PER_SM":
-            _worksplit._THREADS_PER_SM = int(val)
-        elif key == "MAX_VEC_BYTES":
-            _worksplit._MAX_VEC_BYTES = int(val)
-        elif key == "ONE_ROW_BLOCK":
-            _worksplit._ONE_ROW_BLOCK = int(val)
-        elif key == "ONE_ROW_ANGLE_VEC":
-            _worksplit._ONE_ROW_ANGLE_VEC = int(val)
-        elif key == "MIXED":
-            _worksplit._MIXED = bool(int(val))
-        elif key == "ODD_UNITS_FACTOR":
-            _worksplit._ODD_UNITS_FACTOR = int(val)
-        elif key == "ODD_UNITS_MIN_ROWS":
-            _worksplit._ODD_UNITS_MIN_ROWS = int(val)
+        if key in _TUNE_INTS:
+            setattr(_worksplit, f"_{key}", bool(int(val)) if key == "MIXED" else int(val))
         elif key == "DEFINES":
             _kernels.DEFINES = tuple(v for v in val.split(";") if v)
         else:
-            ap.error(f"--tune: unknown {key!r}, expected THREADS_PER_SM, MAX_VEC_BYTES, ONE_ROW_BLOCK, "
-                     "ONE_ROW_ANGLE_VEC, MIXED, ODD_UNITS_FACTOR, ODD_UNITS_MIN_ROWS or DEFINES")
+            ap.error(f"--tune: unknown {key!r}, expected one of {', '.join(_TUNE_INTS)} or DEFINES")
 
 
 def main(argv=None):
