@@ -43,8 +43,13 @@ _ONE_ROW_BLOCK = 64
 # steps (32 heads, d 128, bf16) with 16- / 8-byte vectors: 32 sequences 1.78-1.81 / 1.57, 64
 # sequences 1.89-1.90 / 1.77-1.78, 128 sequences 2.13-2.17 / 2.39 (benchmarks/NOTES.md). Fixed like
 # the constants above; the benchmark harness's --tune ONE_ROW_ANGLE_VEC=N changes it.
+# Where the wide launch's threads share their sincosf (shares_sincos: one per thread at any width)
+# only the narrow launch's extra threads remain, and the limit is _NARROW_SHARED_THREADS_PER_SM:
+# H200, one session, forward us with 8- / 16-byte vectors, both sharing: 32 sequences 1.65 / 1.69-1.70,
+# 64 sequences 1.86-1.87 / 1.80-1.81, 128 sequences 1.98 (16-byte; not sharing 2.20-2.21).
 _ONE_ROW_ANGLE_VEC = 4
 _NARROW_THREADS_PER_SM = 256
+_NARROW_SHARED_THREADS_PER_SM = 128
 # Rope rows of a unit count that is not a power of two (head sizes 80, 96, 112 with 16-byte
 # vectors) aim at _ODD_UNITS_FACTOR times _THREADS_PER_SM, as long as every thread keeps at least
 # _ODD_UNITS_MIN_ROWS rows: at 512 threads per SM their launches had 2.4-2.9 blocks per SM and 8-16
@@ -56,6 +61,11 @@ _NARROW_THREADS_PER_SM = 256
 # above; --tune ODD_UNITS_FACTOR=N / ODD_UNITS_MIN_ROWS=N change them.
 _ODD_UNITS_FACTOR = 4
 _ODD_UNITS_MIN_ROWS = 4
+# One-row launches with an angle table (``rope1``) share each token's sincosf among the threads
+# of its heads (each thread computes one pair and reads its unit's from shared memory; the kernel's
+# RopeParams.share) where ``shares_sincos`` allows it. Fixed like the constants above; tests and the
+# benchmark harness's --tune SHARE_SINCOS=0 turn it off.
+_SHARE_SINCOS = True
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -134,6 +144,16 @@ def launch_alternatives(name: str) -> tuple[str, ...]:
     return tuple(n for n in dict.fromkeys(names) if n in _kernels.ALL)
 
 
+def shares_sincos(vals: dict, vec: int, block: int) -> bool:
+    """Whether the threads of a one-row ``rope1`` launch of one tensor (``vals``: its parameter
+    block's values; ``vec``-element vectors, blocks of ``block`` threads) can share their token's
+    sincosf: every unit of a row rotated, heads and chunks in groups of ``vec`` (the V heads of a
+    group need the d2 / 2 pairs of their token, one per thread), groups whole within a block."""
+    pairs = vec * vals["n_units"]
+    return (_SHARE_SINCOS and vals["n_rot_units"] == vals["n_units"] and vals["n_heads"] % vec == 0
+            and vals["n_chunks"] % vec == 0 and block % pairs == 0)
+
+
 def blocks_for(threads: int, block: int = 0) -> int:
     return -(-threads // (block or _kernels.BLOCK))
 
@@ -167,7 +187,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
-                dv_item=0, dv_unit=0, dv_inner=0)
+                dv_item=0, dv_unit=0, dv_inner=0, share=0)
     if one_row_indices(threads):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))
@@ -181,7 +201,8 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
     tensor has a single row and the table holds angles or cos/sin, with an angle table at most
     ``one_row_vec`` wide where the launch still has one row per thread with it and is small
-    (``_NARROW_THREADS_PER_SM``).
+    (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM`` where the wide launch's threads
+    share their sincosf), and sharing each token's sincosf where ``shares_sincos`` allows.
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
@@ -204,13 +225,18 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     narrow = one_row_vec(kind, vec)
     if narrow != vec:  # valid too: a narrower vector divides whatever the wider one divides
         alt = split(narrow)
-        if alt[0] == kind and max(alt[2]) <= sm_count * _NARROW_THREADS_PER_SM:  # one row per thread, few threads
+        shared = all(shares_sincos(b, vec, _ONE_ROW_BLOCK) for b in blocks)
+        limit = _NARROW_SHARED_THREADS_PER_SM if shared else _NARROW_THREADS_PER_SM
+        if alt[0] == kind and max(alt[2]) <= sm_count * limit:  # one row per thread, few threads
             vec, (kind, blocks, threads) = narrow, alt
     if (kind == "rope" and _MIXED and vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
             and any(b["n_rot_units"] < b["n_units"] for b in blocks)):
         kind = "ropem"
     # the streaming kernels (rope, ropem) in the blocks their shared-memory ring is sized for
     block = _ONE_ROW_BLOCK if kind in _ONE_ROW_KINDS.values() else _kernels.BLOCK
+    if kind == "rope1":
+        for b in blocks:
+            b["share"] = int(shares_sincos(b, vec, block))
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
     return _abi.LaunchSpec(name, (blocks_for(max(threads), block), len(plans)), block, params, slots)

@@ -2,15 +2,35 @@
 //
 // Included before the kernel sources and compiled with g++ (cupy_rope/_hostkernels.py).
 // Each kernel entry point becomes an extern "C" function NAME(grid, block, params) that runs
-// every (block, thread) of the launch in order. The kernels use no barriers or warp intrinsics,
-// and shared memory only as slots private to each thread (the asynchronous row ring, copied at
-// once here), so a sequential run computes what the GPU computes.
+// every (block, thread) of the launch in order. The kernels use no warp intrinsics; shared memory
+// holds slots private to each thread (the asynchronous row ring, copied at once here) and, in the
+// kernels with an exchange (rope_common.cuh exchange_barrier), values one thread writes and others
+// read after the block's one barrier: their host entry runs each block's threads twice, up to the
+// barrier (phase 0: every thread writes its values and returns there), then through it (phase 1:
+// the writes repeat with the same values, the reads see every thread's), so that a sequential run
+// computes what the GPU computes.
 #pragma once
 #include <cmath>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#define CUPY_ROPE_RING_STORAGE static thread_local
+#define CUPY_ROPE_SHARED static thread_local
+
+// Threads of a one-row launch whose shared cos/sin it could not use (a pair of two angles in its
+// unit; rope.cu): counted here so that the tests see sharing happen where it should (on the
+// device the count is not kept).
+static long long cupy_rope_unshared = 0;
+#define CUPY_ROPE_COUNT_UNSHARED() (++cupy_rope_unshared)
+extern "C" long long cupy_rope_unshared_count(int reset) {
+  const long long n = cupy_rope_unshared;
+  if (reset) cupy_rope_unshared = 0;
+  return n;
+}
+
+// The block barrier of the kernels with an exchange: the code after it runs in phase 1 only.
+static thread_local int cupy_rope_host_phase = 1;
+#define CUPY_ROPE_EXCHANGE
+static inline bool exchange_barrier(bool) { return cupy_rope_host_phase == 1; }
 
 #ifndef __noinline__
 #define __noinline__ __attribute__((noinline))
@@ -49,8 +69,8 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 }
 
 // NAME(grid_x, grid_y, block, params): params holds one parameter block per grid row (the pair
-// entry) or one for all rows (the single entry).
-#define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, STEP)                                          \
+// entry) or one for all rows (the single entry). PHASES: 2 for the kernels with an exchange.
+#define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, STEP, PHASES)                                  \
   extern "C" void NAME(unsigned int grid, unsigned int grid_y, unsigned int block, const void* params) { \
     gridDim = {grid, grid_y, 1};                                                               \
     blockDim = {block, 1, 1};                                                                  \
@@ -58,12 +78,16 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
       const PARAMS& p = static_cast<const PARAMS*>(params)[STEP * y];                          \
       for (unsigned int b = 0; b < grid; ++b) {                                                \
         blockIdx = {b, y, 0};                                                                  \
-        for (unsigned int t = 0; t < block; ++t) {                                             \
-          threadIdx = {t, 0, 0};                                                               \
-          BODY(p);                                                                             \
+        for (int phase = 2 - (PHASES); phase < 2; ++phase) {                                   \
+          cupy_rope_host_phase = phase;                                                        \
+          for (unsigned int t = 0; t < block; ++t) {                                           \
+            threadIdx = {t, 0, 0};                                                             \
+            BODY(p);                                                                           \
+          }                                                                                    \
         }                                                                                      \
       }                                                                                        \
     }                                                                                          \
   }
-#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 0)
-#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1)
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 0, 1)
+#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1, 1)
+#define CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1, 2)

@@ -25,6 +25,9 @@ struct RopeParams {
   i64 rot_off;                   // first channel of the rotary slice
   // One-row kernels: n_chunks * n_units, n_units and n_inner as fast divisors (fast_div)
   i64 dv_item, dv_unit, dv_inner;
+  // One-row kernels with an angle table: 1 when the threads of a block share the sincosf of their
+  // token's pairs (each thread computes one pair; rope_one_body), else 0
+  i64 share;
   PosArgs pos;
 };
 
@@ -95,18 +98,30 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // CACHE false: angle tables (f_kind kAngles; rope1_ kernels); true: cos/sin caches (kinds
 // kCosSin32, kCosSinT; rope1c_ kernels). The launch layer keeps inverse frequencies on the
 // streaming kernel.
+//
+// Shared sincosf (angle tables, p.share): the V heads c0 .. c0 + V - 1 (c0 a multiple of V) of a
+// token need the same cos/sin for each of their n_units units, V * n_units = d2 / 2 pairs, one per
+// thread: thread (c, u) computes pair c % V of unit u and writes it to the block's exchange slot
+// (group start) + u * V + c % V, then reads its unit's V pairs from slots (group start) + u * V ..
+// The launch layer sets p.share only where every unit is rotated, the chunk and head counts are
+// multiples of V and the block size a multiple of d2 / 2, so that each group of d2 / 2 threads
+// lies in one token and one block. A pair whose two angles differ is written as a NaN cosine;
+// a thread that reads one (or a NaN from a NaN or infinite angle) computes its unit itself, as
+// without sharing.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   // rope_body's (tok, c, u, outer, inner) in 32 bits by multiply and shift (the launch layer runs
   // these kernels only when every thread index is below 2^31): no division before the first load.
   const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
   const unsigned tok32 = fast_div(item, p.dv_item);
-  if (tok32 >= p.n_tok) return;
   const unsigned rest = item - tok32 * (unsigned)(p.n_chunks * p.n_units);
   const unsigned c32 = fast_div(rest, p.dv_unit), outer32 = fast_div(tok32, p.dv_inner);
   const i64 c = c32, u = rest - c32 * (unsigned)p.n_units, outer = outer32,
             inner = tok32 - outer32 * (unsigned)p.n_inner;
-  if (c >= p.n_heads) return;  // a tensor without heads (the other of the launch has some)
+  // c >= n_heads: a tensor without heads (the other of the launch has some)
+  const bool live = tok32 < p.n_tok && c < p.n_heads;
+  const bool share = !CACHE && p.share;
+  if (!live && !share) return;  // sharing threads all reach the exchange
   i64 cb0, cb1;
   bool pair;
   const bool rot = unit_channels<INTERLEAVED>(u, p.n_rot_units, p.d2, p.tail_w, V, cb0, cb1, pair);
@@ -114,11 +129,27 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   const T* x = reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + r0 * p.xsd;
   T* y = reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + r0 * p.ysd;
   await_previous_grid();
-  Vec<T, V> a = load_vec<T, V>(x), b;
-  if (pair) b = load_vec<T, V>(x + dr * p.xsd);
+  Vec<T, V> a, b;
+  if (live) {
+    a = load_vec<T, V>(x);
+    if (pair) b = load_vec<T, V>(x + dr * p.xsd);
+  }
   i64 pos = 0;
-  const bool valid = rot && token_position(p.pos, outer, inner, pos);
-  if (in_table(valid, pos, p.f_rows)) {
+  const bool valid = live && rot && token_position(p.pos, outer, inner, pos);
+  const bool rotated = in_table(valid, pos, p.f_rows);
+  const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+  const int m = (int)(c % V);  // this thread's pair of its unit in the exchange
+  float2* const slots = exchange_slots + (threadIdx.x - (m * p.n_units + u)) + u * V;
+  if (share && rotated) {
+    int f, g;
+    pair_index<INTERLEAVED, V>(m, f, g);
+    const float af = trow[unit_channel<V>(f, cb0, cb1) * p.f_scol];
+    float s = 0.f, co = 0.f;
+    sincosf(af, &s, &co);
+    slots[m] = make_float2(af == trow[unit_channel<V>(g, cb0, cb1) * p.f_scol] ? co : __uint_as_float(0x7fffffffu), s);
+  }
+  if (!exchange_barrier(share) || !live) return;
+  if (rotated) {
     float v[2 * V], cm[V], sm[V];
     to_floats<T, V>(a, v);
     to_floats<T, V>(b, v + V);
@@ -127,8 +158,18 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
       cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, i0, cm, sm);
       rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
-      const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
-      if (held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
+      bool held = share;
+      if (share) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float2 cs = slots[i];
+          cm[i] = cs.x;
+          sm[i] = cs.y;
+          held = held && cs.x == cs.x;  // not NaN
+        }
+        if (!held) CUPY_ROPE_COUNT_UNSHARED();
+      }
+      if (held || held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
         rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
       } else {
         rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);
@@ -155,6 +196,6 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
 #define CUPY_ROPEM_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
-  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
+  CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)

@@ -236,6 +236,21 @@ __device__ __forceinline__ void await_previous_grid() {
 #endif
 }
 
+// Threads of a block that exchange values through shared memory (exchange_slots: the one-row
+// kernels' shared cos/sin, rope.cu) meet here once, after writing and before reading; every thread
+// of the block reaches the call (none has returned before it). Returns whether the code after the
+// exchange runs: on the device always, after a barrier when `sync` (uniform over the block). The
+// host build runs each block of these kernels twice and returns false in the first run (host_shim.h).
+#ifndef CUPY_ROPE_COUNT_UNSHARED
+#define CUPY_ROPE_COUNT_UNSHARED()  // the host build's test count (host_shim.h)
+#endif
+#ifndef CUPY_ROPE_EXCHANGE
+__device__ __forceinline__ bool exchange_barrier(bool sync) {
+  if (sync) __syncthreads();
+  return true;
+}
+#endif
+
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
   if (((unsigned long long)(a | b) >> 32) == 0) {
@@ -443,7 +458,7 @@ constexpr int kAnyMode = -1;
 // private to each thread, CUPY_ROPE_ASYNC_DEPTH rows ahead of the row being rotated, so that the
 // loads in flight hold no registers (measured against the register loop and other depths on the
 // H200: benchmarks/NOTES.md). Each thread reads back only its own slots (no barrier). The host
-// build copies at once (host_shim.h: CUPY_ROPE_RING_STORAGE, a thread's ring in host memory).
+// build copies at once (host_shim.h: CUPY_ROPE_SHARED, a thread's ring in host memory).
 // Threads per block: cupy_rope passes the launch layer's (_kernels.BLOCK, in every build); the
 // default serves compiles of the source outside it.
 #ifndef CUPY_ROPE_BLOCK
@@ -455,14 +470,17 @@ constexpr int kAnyMode = -1;
 #ifndef CUPY_ROPE_ASYNC_DEPTH
 #define CUPY_ROPE_ASYNC_DEPTH 2
 #endif
-#ifndef CUPY_ROPE_RING_STORAGE
-#define CUPY_ROPE_RING_STORAGE __shared__
+#ifndef CUPY_ROPE_SHARED
+#define CUPY_ROPE_SHARED __shared__
 #endif
 #if CUPY_ROPE_ASYNC
 // Slot (j, vector w) of thread t: word (2 j + w) * blockDim.x + t of ring_slots (consecutive
 // threads, consecutive 16-byte words: conflict-free).
-CUPY_ROPE_RING_STORAGE uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
+CUPY_ROPE_SHARED uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
 #endif
+
+// One (cos, sin) per thread of a block, written and read around exchange_barrier.
+CUPY_ROPE_SHARED float2 exchange_slots[CUPY_ROPE_BLOCK];
 
 // A ring word's address: a 32-bit shared-memory address on the device, a pointer in the host build.
 #if defined(__CUDA_ARCH__)
@@ -769,4 +787,6 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
       BODY(p1);                                                                                  \
     }                                                                                            \
   }
+// The same for bodies with an exchange (exchange_barrier; the host build runs them in two phases).
+#define CUPY_ROPE_ENTRY_PAIR_EXCHANGE CUPY_ROPE_ENTRY_PAIR
 #endif

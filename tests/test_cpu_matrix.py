@@ -12,7 +12,7 @@ from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
 from cases import NP_DTYPES, inputs, matrix
-from reference import assert_close_to_ref, rope_ref
+from reference import assert_close_to_ref, pairs, rope_ref
 
 CASES = matrix()
 
@@ -105,47 +105,118 @@ def test_host_kernel_vector_widths(vec_case, dtype, kernel):
 def test_one_row_angle_launch_width(monkeypatch):
     """Small one-row launches with an angle table take vectors of at most ``_ONE_ROW_ANGLE_VEC``
     elements (8 bytes of a 16-bit dtype) where the launch keeps one row per thread with them and
-    has at most ``_NARROW_THREADS_PER_SM`` threads per SM, the widest valid vector where only
-    that does, and the streaming kernel where neither does; other launches are not narrowed.
-    Each launch's output is checked against the reference on the host build."""
+    has at most ``_NARROW_THREADS_PER_SM`` threads per SM (``_NARROW_SHARED_THREADS_PER_SM`` where
+    the wide launch's threads share their sincosf: 32 heads, not 20), the widest valid vector
+    where only that does, and the streaming kernel where neither does; other launches are not
+    narrowed. Each launch's output is checked against the reference on the host build."""
     rng = np.random.default_rng(11)
     # a decode step: 64 sequences of one token, 32 heads: 16,384 threads with 16-byte vectors
     sp = rng.integers(0, 90, 64).astype(np.int32)
     # a standard table (equal angles per pair: cos/sin held per unit) and a random one (kFresh)
     tables = [cupy_rope.rope_freqs(128, 100), rng.uniform(-40, 40, (100, 1, 1, 128)).astype(np.float32)]
     limit = _worksplit._ONE_ROW_THREADS
-    cases = [  # (dtype, SMs, cap, one-row thread limit) -> kernel
-        ("bfloat16", 132, 4, limit, "rope1_bf16_v4_n_f"),
-        ("float16", 132, 4, limit, "rope1_f16_v4_n_f"),
-        ("float32", 132, 4, limit, "rope1_f32_v4_n_f"),  # 16 bytes: not narrowed
-        ("bfloat16", 132, 0, limit, "rope1_bf16_v8_n_f"),  # no cap
-        ("bfloat16", 132, 2, limit, "rope1_bf16_v8_n_f"),  # 2-element vectors: over 256 threads per SM
-        ("bfloat16", 264, 2, limit, "rope1_bf16_v2_n_f"),
-        ("bfloat16", 128, 4, limit, "rope1_bf16_v4_n_f"),  # narrowed: 256 threads per SM
-        ("bfloat16", 127, 4, limit, "rope1_bf16_v8_n_f"),  # narrowed, over 256 threads per SM
-        ("bfloat16", 40, 4, limit, "rope1_bf16_v8_n_f"),  # one row per thread only with 16-byte vectors
-        ("bfloat16", 20, 4, limit, "rope_bf16_v8_n_f"),  # with neither: the streaming kernel
-        ("bfloat16", 132, 4, 2**15 - 1, "rope1_bf16_v8_n_f"),  # 32-bit indices only with 16-byte vectors
+    cases = [  # (dtype, heads, SMs, cap, one-row thread limit) -> kernel
+        ("bfloat16", 20, 132, 4, limit, "rope1_bf16_v4_n_f"),  # 20,480 threads narrow, no sharing: 256 per SM
+        ("float16", 20, 132, 4, limit, "rope1_f16_v4_n_f"),
+        ("bfloat16", 20, 80, 4, limit, "rope1_bf16_v4_n_f"),  # exactly 256 per SM
+        ("bfloat16", 20, 79, 4, limit, "rope1_bf16_v8_n_f"),
+        ("bfloat16", 32, 132, 4, limit, "rope1_bf16_v8_n_f"),  # 32,768 narrow, the wide one shares: 128 per SM
+        ("bfloat16", 32, 256, 4, limit, "rope1_bf16_v4_n_f"),  # exactly 128 per SM
+        ("float16", 32, 256, 4, limit, "rope1_f16_v4_n_f"),
+        ("bfloat16", 32, 255, 4, limit, "rope1_bf16_v8_n_f"),
+        ("float32", 32, 132, 4, limit, "rope1_f32_v4_n_f"),  # 16 bytes: not narrowed
+        ("bfloat16", 32, 132, 0, limit, "rope1_bf16_v8_n_f"),  # no cap
+        ("bfloat16", 20, 132, 2, limit, "rope1_bf16_v8_n_f"),  # 2-element vectors: over 256 threads per SM
+        ("bfloat16", 20, 160, 2, limit, "rope1_bf16_v2_n_f"),
+        ("bfloat16", 32, 40, 4, limit, "rope1_bf16_v8_n_f"),  # one row per thread only with 16-byte vectors
+        ("bfloat16", 32, 20, 4, limit, "rope_bf16_v8_n_f"),  # with neither: the streaming kernel
+        ("bfloat16", 32, 256, 4, 2**15 - 1, "rope1_bf16_v8_n_f"),  # 32-bit indices only with 16-byte vectors
     ]
     names, orig = [], _hostkernels.launch
     monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
-    for (dtype, sms, cap, lim, want), freqs in itertools.product(cases, tables):
+    for (dtype, heads, sms, cap, lim, want), freqs in itertools.product(cases, tables):
         monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", cap)
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", lim)
-        x = rng.uniform(-2, 2, (64, 1, 32, 128)).astype(NP_DTYPES[dtype])
+        x = rng.uniform(-2, 2, (64, 1, heads, 128)).astype(NP_DTYPES[dtype])
         plan = _plan.resolve_rope(info(x), info(freqs), "bshd", False, None, info(sp), 1, 0, None, False)
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         spec = plan.launch(info(x), info(out), info(freqs), None, info(sp), sms)
-        assert spec.name == want, (dtype, sms, cap, lim, spec.name)
+        assert spec.name == want, (dtype, heads, sms, cap, lim, spec.name)
         one_row = want.startswith("rope1_")
         assert spec.block == (_worksplit._ONE_ROW_BLOCK if one_row else _kernels.BLOCK), spec.block
         vec = int(want.split("_")[2][1:])
-        assert spec.grid[0] == _worksplit.blocks_for(64 * 32 * 64 // vec, spec.block) or not one_row, spec.grid
+        assert spec.grid[0] == _worksplit.blocks_for(64 * heads * 64 // vec, spec.block) or not one_row, spec.grid
         names.clear()
         y = _hostkernels.run_rope(plan, x, freqs, None, sp, out=out, sm_count=sms)
         assert names == [want], names
         ref = rope_ref(x, freqs, "bshd", start_positions=sp)
         assert_close_to_ref(y, ref, x, 128, dtype, want)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["nh", "il"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_one_row_shared_sincos(dtype, interleaved, backward, monkeypatch):
+    """One-row launches with an angle table share each token's sincosf among its heads' threads
+    (``RopeParams.share``: each thread computes one pair, reads its unit's from the block) where
+    ``_worksplit.shares_sincos`` allows it. At every vector width, q and k in one launch (8 and 2
+    heads: k shares only at widths dividing 2; 7 tokens, so the last block is not full), with a
+    table where some rows have two angles per pair (all pairs; one pair) and some positions lie
+    outside it, its columns strided: the result equals the unshared launch's bit for bit and the
+    reference; a table with NaN and infinite angles: equal to the unshared launch. The host build
+    counts the threads that could not use the shared cos/sin: exactly those of units with a pair
+    of two angles."""
+    rng = np.random.default_rng(21)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread
+    monkeypatch.setattr(_worksplit, "_NARROW_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_NARROW_SHARED_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", True)
+    d, rows = 64, 40
+    sp = rng.integers(0, rows + 8, 7).astype(np.int32)  # some tokens past the table: copied
+    sp[:2] = (3, 5)  # the rows given two angles below
+    clean = np.zeros((rows, 1, 1, 2 * d), np.float32)[..., ::2]  # a column stride of 2
+    clean[...] = cupy_rope.rope_freqs(d, rows)
+    clean[3] += rng.uniform(-1, 1, clean[3].shape).astype(np.float32)  # every pair: two angles
+    clean[5, ..., 9] += 0.25  # one pair
+    poisoned = clean.copy()
+    poisoned[sp[2], ..., 3], poisoned[sp[3], ..., d - 1], poisoned[sp[4], ..., 0] = np.nan, np.inf, -np.inf
+    sp[2:5] %= rows
+    share_at = _abi.ROPE_FIELDS.index("share")
+    for v in _kernels.vector_widths(dtype):
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)
+        monkeypatch.setattr(_worksplit, "_SHARE_SINCOS", True)
+        q = rng.uniform(-2, 2, (7, 1, 8, d)).astype(NP_DTYPES[dtype])
+        k = rng.uniform(-2, 2, (7, 1, 2, d)).astype(NP_DTYPES[dtype])
+        plans = _plan.resolve_rope_pair(info(q), info(k), info(clean), "bshd", interleaved, None, info(sp), 1, 0,
+                                        False, backward)
+        spec = _worksplit.rope_launch(plans, [(info(q), info(q)), (info(k), info(k))], info(clean), None,
+                                      info(sp), 4)
+        assert spec.name == _kernels.kernel_name("rope1", dtype, v, interleaved, backward), spec.name
+        n = len(_abi.ROPE_FIELDS)
+        shares = [struct.unpack_from("<q", spec.params, 8 * (i * n + share_at))[0] for i in (0, 1)]
+        assert shares == [1, int(2 % v == 0)], (v, shares)
+        for table in (clean, poisoned):
+            plans = _plan.resolve_rope_pair(info(q), info(k), info(table), "bshd", interleaved, None, info(sp), 1, 0,
+                                            False, backward)  # the table's own strides
+            # threads that cannot use the shared cos/sin: units with a pair of two angles (or a
+            # NaN cosine), of every sharing tensor's heads, at each token inside the table
+            t = table.reshape(rows, d)[sp[sp < rows]]
+            f, g = np.array(pairs(d, interleaved)).T
+            bad = ~(t[:, f] == t[:, g]) | ~np.isfinite(t[:, f])
+            unshared = int(bad.reshape(len(t), -1, v).any(-1).sum()) * (8 + 2 * shares[1])
+            got = {}
+            _hostkernels.unshared_count()
+            for share in (True, False):
+                monkeypatch.setattr(_worksplit, "_SHARE_SINCOS", share)
+                outs = tuple(np.full(a.shape, np.nan, a.dtype) for a in (q, k))
+                got[share] = _hostkernels.run_rope_qk(plans, q, k, table, None, sp, outs)
+                assert _hostkernels.unshared_count() == (unshared if share else 0), (v, share)
+            for a, b in zip(got[True], got[False]):
+                np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32), err_msg=f"v{v}")
+            if table is clean:
+                for x, y in zip((q, k), got[True]):
+                    ref = rope_ref(x, table, "bshd", interleaved, start_positions=sp, backward=backward)
+                    assert_close_to_ref(y, ref, x, d, dtype, f"shared sincos v{v}")
 
 
 def test_in_place_and_out():

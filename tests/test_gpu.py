@@ -150,6 +150,55 @@ def test_gpu_odd_units_split(dtype, backward, monkeypatch):
     assert (specs[-1].name.split("_")[0], vals["n_units"], vals["n_chunks"]) == ("rope", 80 // 2 // vec, want)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["nh", "il"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_one_row_shared_sincos(dtype, interleaved, backward, monkeypatch):
+    """A decode step (64 sequences, 32 q and 8 k heads, head size 128) with an angle table in
+    one-row launches whose threads share each token's sincosf (``RopeParams.share``), at every
+    vector width, with rows of two angles per pair and positions past the table: the result
+    equals the unshared launch's bit for bit and the reference (the host-build test checks the
+    same on the CPU; here the device's barrier and shared memory)."""
+    import struct
+
+    from cupy_rope import _abi, _kernels, _launch, _worksplit
+    from cases import NP_DTYPES
+
+    cp = _cupy()
+    rng = np.random.default_rng(22)
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread at every width
+    monkeypatch.setattr(_worksplit, "_NARROW_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_NARROW_SHARED_THREADS_PER_SM", 10**9)
+    specs, orig = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: specs.append(spec) or orig(spec, *a, **k))
+    rows = 300
+    sp = rng.integers(0, rows + 20, 64).astype(np.int32)
+    sp[:2] = (3, 5)
+    f = cupy_rope.rope_freqs(128, rows)
+    f[3] += rng.uniform(-1, 1, f[3].shape).astype(np.float32)  # two angles in every pair
+    f[5, ..., 17] += 0.25  # in one pair
+    fn = cupy_rope.apply_rope_qk_backward if backward else cupy_rope.apply_rope_qk
+    for v in _kernels.vector_widths(dtype):
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)
+        q = rng.uniform(-2, 2, (64, 1, 32, 128)).astype(NP_DTYPES[dtype])
+        k = rng.uniform(-2, 2, (64, 1, 8, 128)).astype(NP_DTYPES[dtype])
+        got = {}
+        for share in (True, False):
+            monkeypatch.setattr(_worksplit, "_SHARE_SINCOS", share)
+            monkeypatch.setattr(_launch, "_CACHE", {})
+            qd, kd = to_dev(q, "cupy"), to_dev(k, "cupy")
+            got[share] = [to_host(a, "cupy") for a in fn(qd, kd, to_dev(f, "cupy"), "bshd", interleaved=interleaved,
+                                                        start_positions=cp.asarray(sp))]
+            spec = specs[-1]
+            assert spec.name == _kernels.kernel_name("rope1", dtype, v, interleaved, backward), spec.name
+            n, at = len(_abi.ROPE_FIELDS), _abi.ROPE_FIELDS.index("share")
+            assert [struct.unpack_from("<q", spec.params, 8 * (i * n + at))[0] for i in (0, 1)] == [share] * 2
+        for x, a, b in zip((q, k), got[True], got[False]):
+            np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32), err_msg=f"v{v}")
+            ref = rope_ref(x, f, "bshd", interleaved, start_positions=sp, backward=backward)
+            assert_close_to_ref(a, ref, x, 128, dtype, f"shared sincos v{v}")
+
+
 @pytest.mark.parametrize("fw", ["cupy", "torch"])
 def test_gpu_qkv(fw):
     from test_cpu_qkv import GRID, qkv_case

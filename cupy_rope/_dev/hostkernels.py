@@ -74,7 +74,14 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     for n in names:
         getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
+    lib.cupy_rope_unshared_count.argtypes, lib.cupy_rope_unshared_count.restype = [ctypes.c_int], ctypes.c_longlong
     return lib
+
+
+def unshared_count(reset: bool = True) -> int:
+    """Threads of one-row launches since the last reset that shared their token's sincosf but
+    could not use it (a pair of two angles in their unit: they computed their own)."""
+    return library().cupy_rope_unshared_count(int(reset))
 
 
 def nvrtc_cubin(arch: str = "sm_90") -> bytes:
