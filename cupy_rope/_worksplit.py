@@ -148,10 +148,11 @@ def shares_sincos(vals: dict, vec: int, block: int) -> bool:
     """Whether the threads of a one-row ``rope1`` launch of one tensor (``vals``: its parameter
     block's values; ``vec``-element vectors, blocks of ``block`` threads) can share their token's
     sincosf: every unit of a row rotated, heads and chunks in groups of ``vec`` (the V heads of a
-    group need the d2 / 2 pairs of their token, one per thread), groups whole within a block."""
+    group need the d2 / 2 pairs of their token, one per thread), groups whole within a block (of
+    at most ``_kernels.BLOCK`` threads: the kernels' exchange slots)."""
     pairs = vec * vals["n_units"]
     return (_SHARE_SINCOS and vals["n_rot_units"] == vals["n_units"] and vals["n_heads"] % vec == 0
-            and vals["n_chunks"] % vec == 0 and block % pairs == 0)
+            and vals["n_chunks"] % vec == 0 and block % pairs == 0 and block <= _kernels.BLOCK)
 
 
 def blocks_for(threads: int, block: int = 0) -> int:

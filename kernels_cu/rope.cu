@@ -144,9 +144,10 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
     int f, g;
     pair_index<INTERLEAVED, V>(m, f, g);
     const float af = trow[unit_channel<V>(f, cb0, cb1) * p.f_scol];
+    const bool one_angle = af == trow[unit_channel<V>(g, cb0, cb1) * p.f_scol];
     float s = 0.f, co = 0.f;
     sincosf(af, &s, &co);
-    slots[m] = make_float2(af == trow[unit_channel<V>(g, cb0, cb1) * p.f_scol] ? co : __uint_as_float(0x7fffffffu), s);
+    slots[m] = make_float2(one_angle ? co : __uint_as_float(0x7fffffffu), s);  // NaN: two angles
   }
   if (!exchange_barrier(share) || !live) return;
   if (rotated) {

@@ -241,14 +241,16 @@ __device__ __forceinline__ void await_previous_grid() {
 // of the block reaches the call (none has returned before it). Returns whether the code after the
 // exchange runs: on the device always, after a barrier when `sync` (uniform over the block). The
 // host build runs each block of these kernels twice and returns false in the first run (host_shim.h).
-#ifndef CUPY_ROPE_COUNT_UNSHARED
-#define CUPY_ROPE_COUNT_UNSHARED()  // the host build's test count (host_shim.h)
-#endif
 #ifndef CUPY_ROPE_EXCHANGE
 __device__ __forceinline__ bool exchange_barrier(bool sync) {
   if (sync) __syncthreads();
   return true;
 }
+#endif
+
+// A thread that could not use the shared cos/sin (rope.cu): counted by the host build for its tests.
+#ifndef CUPY_ROPE_COUNT_UNSHARED
+#define CUPY_ROPE_COUNT_UNSHARED()
 #endif
 
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
@@ -479,7 +481,8 @@ constexpr int kAnyMode = -1;
 CUPY_ROPE_SHARED uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
 #endif
 
-// One (cos, sin) per thread of a block, written and read around exchange_barrier.
+// One (cos, sin) per thread of a block (at most CUPY_ROPE_BLOCK threads), written and read around
+// exchange_barrier.
 CUPY_ROPE_SHARED float2 exchange_slots[CUPY_ROPE_BLOCK];
 
 // A ring word's address: a 32-bit shared-memory address on the device, a pointer in the host build.
