@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from . import _api, _freqs, _launch, _plan, _torch_ext
 
@@ -182,22 +183,53 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _forward_mode(*tensors) -> bool:
+    """Whether a tensor carries a forward-mode tangent (inside ``torch.autograd.forward_ad.dual_level``)."""
+    return _fwad._current_level >= 0 and any(t is not None and _fwad.unpack_dual(t).tangent is not None
+                                             for t in tensors)
+
+
+def _linear_dual(fn, *duals):
+    """Forward-mode AD of ``fn``, linear in its arguments ``duals`` (tensors, some dual, or None):
+    ``fn`` of the primals, with ``fn`` of the tangents (zero where missing) as the tangent. Kept
+    out of the autograd.Functions, whose custom ``jvp`` torch.compile cannot trace."""
+    prim, tang = [], []
+    for d in duals:
+        p, t = (None, None) if d is None else _fwad.unpack_dual(d)
+        prim.append(p)
+        tang.append(torch.zeros_like(p) if t is None and p is not None else t)
+    out, tout = fn(*prim), fn(*tang)
+    if isinstance(out, torch.Tensor):
+        return _fwad.make_dual(out, tout)
+    return type(out)(o if o is None else _fwad.make_dual(o, t) for o, t in zip(out, tout))
+
+
+def _refuse_inplace_grad(q, k) -> None:
+    if _needs_grad(q, *([k] if k is not None else [])) or _forward_mode(q, k):
+        raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad or carries "
+                         "a forward-mode tangent (an in-place rotation is not differentiable), got True")
+
+
 def _rope_autograd(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
+    if _forward_mode(x):
+        return _linear_dual(lambda t: _rope_autograd(t, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
+                                                     backward, tom), x)
     if _needs_grad(x):
         return _RopeFn.apply(x, freqs, cu, sp, (layout, interleaved, cp_size, cp_rank, backward, tom))
     return _rope_call(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom)
 
 
 def _rope_qk_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
+    if _forward_mode(q, k):
+        return _linear_dual(lambda a, b: _rope_qk_autograd(a, b, freqs, layout, interleaved, cu, sp, cp_size,
+                                                           cp_rank, backward), q, k)
     if _needs_grad(q, k):
         return _RopeQkFn.apply(q, k, freqs, cu, sp, (layout, interleaved, cp_size, cp_rank, backward))
     return _rope_qk_call(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
 
 
 def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward):
-    if _needs_grad(q, k):
-        raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
-                         "(an in-place rotation is not differentiable), got True")
+    _refuse_inplace_grad(q, k)
     _inplace_call(_ROPE_QK_, _rope_qk_inplace_kernel, q, q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
                   backward)
     torch.autograd.graph.increment_version((q, k))
@@ -333,6 +365,8 @@ class _RopePosFn(torch.autograd.Function):
 
 
 def _rope_pos_autograd(positions, q, k, table, *static):
+    if _forward_mode(q, k):
+        return _linear_dual(lambda a, b: _rope_pos_autograd(positions, a, b, table, *static), q, k)
     if _needs_grad(q, *([k] if k is not None else [])):
         res = _RopePosFn.apply(positions, table, static, q, k)
         return list(res) if k is not None else [res]
@@ -340,9 +374,7 @@ def _rope_pos_autograd(positions, q, k, table, *static):
 
 
 def _rope_pos_inplace_autograd(positions, q, k, table, *static):
-    if _needs_grad(q, *([k] if k is not None else [])):
-        raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad "
-                         "(an in-place rotation is not differentiable), got True")
+    _refuse_inplace_grad(q, k)
     _inplace_call(_ROPE_POS_, _rope_pos_inplace_kernel, q, positions, q, k, table, *static)
     torch.autograd.graph.increment_version((q,) if k is None else (q, k))
 
@@ -447,9 +479,10 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
     """
     _check_tensors(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     if out is not None:
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise ValueError("cupy_rope.torch.apply_rope: `out`: expected None when `x` requires grad "
-                             "(an explicit output is not differentiable), got a tensor")
+        if _needs_grad(x) or _forward_mode(x):
+            raise ValueError("cupy_rope.torch.apply_rope: `out`: expected None when `x` requires grad or "
+                             "carries a forward-mode tangent (an explicit output is not differentiable), "
+                             "got a tensor")
         return _api.apply_rope(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                                start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out=out)
     return _dispatch_rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, False,
@@ -601,8 +634,10 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
     if qkv.dim() < 2:
         raise ValueError(f"cupy_rope.torch: `qkv`: expected a 3-D or 4-D tensor, got shape {tuple(qkv.shape)}")
     sp = _split(qkv.shape[-1], qkv.shape[-2], split, num_q_heads)
-    return _qkv_op(qkv, q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions,
-                   cp_size, cp_rank)
+    args = (q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
+    if _forward_mode(qkv):
+        return _linear_dual(lambda t: _qkv_op(t, *args), qkv)
+    return _qkv_op(qkv, *args)
 
 
 # ----------------------------------------------------------------------------- module

@@ -53,6 +53,59 @@ def test_torch_gradcheck_and_double_backward():
     torch.autograd.gradgradcheck(lambda t: crt.apply_rope(t, f, interleaved=True), (x,), eps=1e-2, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_torch_forward_mode_ad():
+    """Forward-mode AD (``torch.autograd.forward_ad``): every differentiable entry point's output
+    tangent is the same op applied to the input tangent (RoPE is linear; a missing tangent is
+    zero), checked against the reference; the primal is the op's result; in-place calls and an
+    explicit ``out`` refuse a tangent by name (they would drop it); ``torch.func.jvp`` and
+    ``jacfwd`` (the rotation's matrix) agree."""
+    import torch.autograd.forward_ad as fwad
+
+    import cupy_rope.torch as crt
+
+    torch.manual_seed(6)
+    f = _f(32, 8)
+    x, tx, k, tk = torch.randn(8, 2, 2, 32), torch.randn(8, 2, 2, 32), torch.randn(8, 2, 1, 32), torch.randn(8, 2, 1, 32)
+    ref = lambda t, **kw: torch.from_numpy(rope_ref(t.numpy(), f.numpy(), **kw)).float()  # noqa: E731
+    close = lambda a, b: torch.allclose(a, b, atol=1e-5)  # noqa: E731
+    with fwad.dual_level():
+        for bwd, fn in ((False, crt.apply_rope), (True, crt.apply_rope_backward)):
+            p, t = fwad.unpack_dual(fn(fwad.make_dual(x, tx), f, interleaved=True))
+            assert close(p, ref(x, backward=bwd, interleaved=True)) and close(t, ref(tx, backward=bwd, interleaved=True))
+        qo, ko = crt.apply_rope_qk(fwad.make_dual(x, tx), k, f)
+        assert close(fwad.unpack_dual(qo).tangent, ref(tx))
+        assert fwad.unpack_dual(ko).tangent is None or not fwad.unpack_dual(ko).tangent.any()
+        qo, ko = crt.apply_rope_qk(fwad.make_dual(x, tx), fwad.make_dual(k, tk), f)
+        assert close(fwad.unpack_dual(qo).tangent, ref(tx)) and close(fwad.unpack_dual(ko).tangent, ref(tk))
+        cache = torch.from_numpy(cupy_rope.rope_cos_sin_cache(32, 8))
+        pos = torch.tensor([1, 5, 9, 0])  # 9: outside the cache (copied: the tangent too)
+        q4, t4 = torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+        for kk in (None, fwad.make_dual(q4[:, :1] * 2, t4[:, :1] * 3)):
+            outs = crt.apply_rope_pos(pos, fwad.make_dual(q4, t4), kk, cos_sin_cache=cache)
+            want = crt.apply_rope_pos(pos, t4, None if kk is None else t4[:, :1] * 3, cos_sin_cache=cache)
+            for o, w in zip(outs, want):
+                assert (o is None) == (w is None) and (o is None or close(fwad.unpack_dual(o).tangent, w))
+        assert torch.equal(fwad.unpack_dual(outs[0]).tangent[2], t4[2])  # copied position
+        qkv, tq = torch.randn(8, 1, 2, 6 * 32), torch.randn(8, 1, 2, 6 * 32)
+        for o, w in zip(crt.apply_qkv_rope(fwad.make_dual(qkv, tq), f, f, [128, 32, 32]),
+                        crt.apply_qkv_rope(tq, f, f, [128, 32, 32])):
+            assert close(fwad.unpack_dual(o).tangent, w)
+        with pytest.raises(ValueError, match="`inplace`: expected False when `q` or `k` requires grad or carries a "
+                                             "forward-mode tangent"):
+            crt.apply_rope_qk(fwad.make_dual(x, tx), k, f, inplace=True)
+        with pytest.raises(ValueError, match="`out`: expected None when `x` requires grad or carries"):
+            crt.apply_rope(fwad.make_dual(x, tx), f, out=torch.empty_like(x))
+    # torch.func's forward mode: jvp, and jacfwd (the rotation's matrix)
+    _, t = torch.func.jvp(lambda a: crt.apply_rope(a, f), (x,), (tx,))
+    assert close(t, ref(tx))
+    xs = x[:2, :1, :1]
+    jac = torch.func.jacfwd(lambda a: crt.apply_rope(a, f))(xs).reshape(64, 64)
+    eye = torch.eye(64, dtype=torch.float64).reshape(64, 2, 1, 1, 32)
+    assert np.allclose(jac.numpy(), np.stack([rope_ref(e.numpy(), f.numpy()) for e in eye]).reshape(64, 64).T,
+                       atol=1e-6)
+
+
 def test_torch_opcheck():
     import cupy_rope.torch as crt  # noqa: F401
 
