@@ -123,6 +123,13 @@ for a, b in ((xg, k), (x, kg)):  # q or k alone requires grad
     (yq * g).sum().add_((yk * gk).sum()).backward()
     t, gt = (xg, g) if a is xg else (kg, gk)
     assert torch.allclose(t.grad, back(gt), atol=1e-6), a is xg
+import torch.autograd.forward_ad as fwad
+with fwad.dual_level():  # a forward-mode tangent (no requires_grad) takes the Python kernel too
+    t = torch.randn_like(x)
+    for y, want in ((rope(fwad.make_dual(x, t)), cupy_rope.apply_rope(t, f)),
+                    (qk(x, fwad.make_dual(k, gk))[1], cupy_rope.apply_rope(gk, f))):
+        yt = fwad.unpack_dual(y).tangent
+        assert yt is not None and torch.allclose(yt, want, atol=1e-6)
 xg.grad = None
 outs = rpos(xg, None)
 assert len(outs) == 1 and outs[0].grad_fn is not None
@@ -137,7 +144,7 @@ def test_cpp_autograd_kernels_on_the_cpu():
     C++: a call that needs no gradient (no input requires grad, grad mode off, only the table
     requires grad) records no autograd node; one that does (x; q or k alone; the positions op with
     and without k) gets the Python autograd kernel's node and the backward rotation as its
-    gradient."""
+    gradient; a forward-mode tangent gets the rotated tangent."""
     from cupy_rope import _torch_ext
 
     why = _torch_ext.missing_tools()

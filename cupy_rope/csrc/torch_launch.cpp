@@ -297,8 +297,9 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 }
 
 // The autograd kernel of the out-of-place ops (rope, rope_qk, rope_pos) for CUDA and CPU tensors.
-// A call that needs no gradient (grad mode off, or none of the differentiable inputs requires grad:
-// x; q and k) goes straight to the op's kernel below autograd, with no Python; one that does runs
+// A call that needs no gradient (no differentiable input -- x; q and k -- requires grad with grad
+// mode on or carries a tangent) goes straight to the op's kernel below autograd, with no Python;
+// one that does runs
 // the torch shim's Python autograd kernel (op cupy_rope::_ag_<op>, the op's schema), which records
 // the autograd node. The shim registers the same Python kernel for the other autograd keys.
 const c10::OperatorHandle& ag_op(Family f) {
@@ -308,9 +309,15 @@ const c10::OperatorHandle& ag_op(Family f) {
   return f == ROPE ? rope : f == QK ? qk : pos;
 }
 
+// A differentiable input requires grad (grad mode on) or carries a forward-mode tangent (level 0,
+// the level torch's own autograd kernels check).
 bool needs_grad(Family f, c10::ArrayRef<c10::IValue> a) {
-  if (!c10::GradMode::is_enabled()) return false;
-  auto rg = [&](size_t i) { return a[i].isTensor() && a[i].toTensor().requires_grad(); };
+  const bool grad_mode = c10::GradMode::is_enabled();
+  auto rg = [&](size_t i) {
+    if (!a[i].isTensor()) return false;
+    const at::Tensor& t = a[i].toTensor();
+    return (grad_mode && t.requires_grad()) || t._fw_grad(0).defined();
+  };
   switch (f) {
     case ROPE: return rg(0);             // x
     case QK: return rg(0) || rg(1);      // q, k
