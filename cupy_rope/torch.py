@@ -150,11 +150,16 @@ class _RopeFn(torch.autograd.Function):
     """RoPE is linear in x: the gradient is the other direction's op at the same positions; only
     the table and the index tensors are saved."""
 
+    generate_vmap_rule = True  # torch.func.vmap: the op under torch's batching (per-sample fallback)
+
     @staticmethod
-    def forward(ctx, x, freqs, cu, sp, static):
-        ctx.save_for_backward(freqs, cu, sp)
-        ctx.static = static
+    def forward(x, freqs, cu, sp, static):
         return _rope_call(x, freqs, *static[:2], cu, sp, *static[2:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, freqs, cu, sp, ctx.static = inputs
+        ctx.save_for_backward(freqs, cu, sp)
 
     @staticmethod
     def backward(ctx, g):
@@ -165,11 +170,16 @@ class _RopeFn(torch.autograd.Function):
 
 
 class _RopeQkFn(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, q, k, freqs, cu, sp, static):
-        ctx.save_for_backward(freqs, cu, sp)
-        ctx.static = static
+    def forward(q, k, freqs, cu, sp, static):
         return _rope_qk_call(q, k, freqs, *static[:2], cu, sp, *static[2:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, freqs, cu, sp, ctx.static = inputs
+        ctx.save_for_backward(freqs, cu, sp)
 
     @staticmethod
     def backward(ctx, gq, gk):
@@ -340,10 +350,16 @@ class _RopePosFn(torch.autograd.Function):
     """The gradient is the inverse rotation at the same positions (only they and the table are
     saved); q alone gives one output."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, positions, table, static, q, k):
+    def setup_context(ctx, inputs, output):
+        positions, table, ctx.static, _, k = inputs
         ctx.save_for_backward(positions, table)
-        ctx.static, ctx.has_k = static, k is not None
+        ctx.has_k = k is not None
+
+    @staticmethod
+    def forward(positions, table, static, q, k):
         outs = _below_autograd(_ROPE_POS_IMPL, _rope_pos_kernel, _ROPE_POS, q, positions, q, k, table, *static)
         return tuple(outs) if k is not None else outs[0]
 

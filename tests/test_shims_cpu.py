@@ -106,6 +106,45 @@ def test_torch_forward_mode_ad():
                        atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_torch_func_transforms():
+    """``torch.func``: ``grad`` equals ``torch.autograd``'s gradient (rope, q and k, positions API),
+    ``jacrev`` is the rotation's matrix (the reference applied to unit vectors), ``vmap`` equals a
+    loop over the samples, also of the gradient (torch's per-sample fallback runs the op)."""
+    import cupy_rope.torch as crt
+
+    torch.manual_seed(5)
+    f = _f(32, 8)
+    x, k = torch.randn(8, 2, 2, 32), torch.randn(8, 2, 1, 32)
+    pos = torch.tensor([3, 0, 7, 1, 9, 2])  # 9: outside the table, copied
+    cache = torch.from_numpy(cupy_rope.rope_cos_sin_cache(32, 8))
+
+    def autograd_grad(fn, *ts):
+        ts = [t.clone().requires_grad_(True) for t in ts]
+        return torch.autograd.grad(fn(*ts), ts)
+
+    losses = [
+        (lambda t: crt.apply_rope(t, f).pow(2).mul(torch.arange(32.0)).sum(), (x,)),
+        (lambda a, b: sum(o.pow(3).sum() for o in crt.apply_rope_qk(a, b, f)), (x, k)),
+        (lambda a, b: sum(o.sin().sum() for o in crt.apply_rope_pos(pos, a, b, cos_sin_cache=cache)),
+         (torch.randn(6, 2, 32), torch.randn(6, 1, 32))),
+    ]
+    for fn, ts in losses:
+        got = torch.func.grad(fn, argnums=tuple(range(len(ts))))(*ts)
+        for g, want in zip(got, autograd_grad(fn, *ts)):
+            assert torch.allclose(g, want, atol=1e-5), (g - want).abs().max()
+    xs = x[:2, :1, :1]  # [2, 1, 1, 32]
+    jac = torch.func.jacrev(lambda t: crt.apply_rope(t, f))(xs).reshape(64, 64)
+    eye = torch.eye(64, dtype=torch.float64).reshape(64, 2, 1, 1, 32)
+    want = np.stack([rope_ref(e.numpy(), f.numpy()) for e in eye]).reshape(64, 64).T
+    assert np.allclose(jac.numpy(), want, atol=1e-6)
+    batch = torch.randn(3, 8, 2, 2, 32)
+    assert torch.equal(torch.func.vmap(lambda t: crt.apply_rope(t, f))(batch),
+                       torch.stack([crt.apply_rope(t, f) for t in batch]))
+    per = torch.func.vmap(torch.func.grad(losses[0][0]))(batch)
+    assert torch.allclose(per, torch.stack([autograd_grad(losses[0][0], t)[0] for t in batch]), atol=1e-5)
+
+
 def test_torch_opcheck():
     import cupy_rope.torch as crt  # noqa: F401
 
