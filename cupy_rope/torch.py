@@ -190,7 +190,8 @@ class _RopeQkFn(torch.autograd.Function):
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Whether a tensor (None: skipped) requires grad, with grad mode on."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _forward_mode(*tensors) -> bool:
@@ -214,8 +215,13 @@ def _linear_dual(fn, *duals):
     return type(out)(o if o is None else _fwad.make_dual(o, t) for o, t in zip(out, tout))
 
 
+def _differentiated(*tensors) -> bool:
+    """Whether a tensor requires grad or carries a forward-mode tangent."""
+    return _needs_grad(*tensors) or _forward_mode(*tensors)
+
+
 def _refuse_inplace_grad(q, k) -> None:
-    if _needs_grad(q, *([k] if k is not None else [])) or _forward_mode(q, k):
+    if _differentiated(q, k):
         raise ValueError("cupy_rope.torch: `inplace`: expected False when `q` or `k` requires grad or carries "
                          "a forward-mode tangent (an in-place rotation is not differentiable), got True")
 
@@ -383,7 +389,7 @@ class _RopePosFn(torch.autograd.Function):
 def _rope_pos_autograd(positions, q, k, table, *static):
     if _forward_mode(q, k):
         return _linear_dual(lambda a, b: _rope_pos_autograd(positions, a, b, table, *static), q, k)
-    if _needs_grad(q, *([k] if k is not None else [])):
+    if _needs_grad(q, k):
         res = _RopePosFn.apply(positions, table, static, q, k)
         return list(res) if k is not None else [res]
     return _below_autograd(_ROPE_POS_IMPL, _rope_pos_kernel, _ROPE_POS, q, positions, q, k, table, *static)
@@ -495,7 +501,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
     """
     _check_tensors(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     if out is not None:
-        if _needs_grad(x) or _forward_mode(x):
+        if _differentiated(x):
             raise ValueError("cupy_rope.torch.apply_rope: `out`: expected None when `x` requires grad or "
                              "carries a forward-mode tangent (an explicit output is not differentiable), "
                              "got a tensor")
