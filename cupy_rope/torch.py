@@ -251,9 +251,16 @@ def _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size,
     torch.autograd.graph.increment_version((q, k))
 
 
-_LIB.impl("rope", _rope_autograd, "Autograd")
-_LIB.impl("rope_qk", _rope_qk_autograd, "Autograd")
-_LIB.impl("rope_qk_", _rope_qk_inplace_autograd, "Autograd")
+# The Python autograd kernels; where the C++ launch path loads, the out-of-place ops' CUDA and CPU
+# autograd kernels are C++ (a call that needs no gradient goes below autograd without Python) and
+# call these through ops ``_ag_<op>`` (the op's schema) for the calls that do.
+_LIB.define(f"_ag_rope(Tensor x, Tensor freqs, {_POS_SCHEMA}, bool backward, bool transpose_output_memory) -> Tensor")
+_LIB.define(f"_ag_rope_qk(Tensor q, Tensor k, Tensor freqs, {_POS_SCHEMA}, bool backward) -> (Tensor, Tensor)")
+for _name, _kernel in (("rope", _rope_autograd), ("rope_qk", _rope_qk_autograd),
+                       ("rope_qk_", _rope_qk_inplace_autograd)):
+    _LIB.impl(_name, _kernel, "Autograd")
+    if _name != "rope_qk_":
+        _LIB.impl(f"_ag_{_name}", _kernel, "Autograd")
 
 
 # ----------------------------------------------------------------------------- positions API ops
@@ -394,7 +401,9 @@ def _rope_pos_inplace_autograd(positions, q, k, table, *static):
     torch.autograd.graph.increment_version((q,) if k is None else (q, k))
 
 
+_LIB.define(f"_ag_rope_pos(Tensor positions, Tensor q, Tensor? k, Tensor table, {_PP_SCHEMA}) -> Tensor[]")
 _LIB.impl("rope_pos", _rope_pos_autograd, "Autograd")
+_LIB.impl("_ag_rope_pos", _rope_pos_autograd, "Autograd")
 _LIB.impl("rope_pos_", _rope_pos_inplace_autograd, "Autograd")
 
 

@@ -74,6 +74,86 @@ def test_builds_and_loads_beside_the_cpu_kernels():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+_AUTOGRAD_CODE = """
+import torch, cupy_rope, cupy_rope.torch as crt
+from cupy_rope import _torch_ext
+assert crt._EXT and _torch_ext.loaded()
+for name in ("rope", "rope_qk", "rope_pos"):
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("cupy_rope::" + name, key), (name, key)
+    assert "torch_launch" in torch._C._dispatch_dump("cupy_rope::" + name).split("AutogradCPU:")[1].split(chr(10))[0]
+torch.manual_seed(0)
+f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+x, k = torch.randn(16, 2, 4, 64), torch.randn(16, 2, 2, 64)
+g, gk = torch.randn_like(x), torch.randn_like(k)
+R, QK, POS = torch.ops.cupy_rope.rope, torch.ops.cupy_rope.rope_qk, torch.ops.cupy_rope.rope_pos
+rope = lambda t, tab=f: R(t, tab, "sbhd", False, None, None, 1, 0, False, False)
+qk = lambda a, b: QK(a, b, f, "sbhd", False, None, None, 1, 0, False)
+pos = torch.arange(16).repeat_interleave(2)
+cache = torch.from_numpy(cupy_rope.rope_cos_sin_cache(64, 16))
+rpos = lambda a, b: POS(pos, a.reshape(32, -1, 64), None if b is None else b.reshape(32, -1, 64), cache,
+                        "cos_sin_cache", 0, False, 0, False)
+ref = cupy_rope.apply_rope(x, f)
+# no input requires grad / grad mode off / only the table requires grad: no autograd node
+fg = f.clone().requires_grad_(True)
+for y in (rope(x), qk(x, k)[0], rpos(x, k)[0], rope(x, fg)):
+    assert y.grad_fn is None and not y.requires_grad
+xg, kg = x.clone().requires_grad_(True), k.clone().requires_grad_(True)
+with torch.no_grad():
+    assert rope(xg).grad_fn is None and qk(xg, kg)[1].grad_fn is None and rpos(xg, kg)[0].grad_fn is None
+assert torch.equal(rope(x), ref) and torch.equal(qk(x, k)[0], ref)
+# the Python autograd kernel (op _ag_<op>) runs only for the calls that need a gradient
+def ops_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+assert not any(n.startswith("cupy_rope::_ag_") for n in ops_run(lambda: (rope(x), qk(xg.detach(), k), rpos(x, k))))
+assert {"cupy_rope::_ag_rope", "cupy_rope::_ag_rope_qk", "cupy_rope::_ag_rope_pos"} <= ops_run(
+    lambda: (rope(xg), qk(x, kg), rpos(xg, None)))
+# the gradient: the backward rotation
+back = lambda t: cupy_rope.apply_rope_backward(t, f)
+y = rope(xg)
+assert y.grad_fn is not None and torch.equal(y.detach(), ref)
+y.backward(g)
+assert torch.allclose(xg.grad, back(g), atol=1e-6)
+for a, b in ((xg, k), (x, kg)):  # q or k alone requires grad
+    for t in (xg, kg):
+        t.grad = None
+    yq, yk = qk(a, b)
+    (yq * g).sum().add_((yk * gk).sum()).backward()
+    t, gt = (xg, g) if a is xg else (kg, gk)
+    assert torch.allclose(t.grad, back(gt), atol=1e-6), a is xg
+import torch.autograd.forward_ad as fwad
+with fwad.dual_level():  # a forward-mode tangent (no requires_grad) takes the Python kernel too
+    t = torch.randn_like(x)
+    for y, want in ((rope(fwad.make_dual(x, t)), cupy_rope.apply_rope(t, f)),
+                    (qk(x, fwad.make_dual(k, gk))[1], cupy_rope.apply_rope(gk, f))):
+        yt = fwad.unpack_dual(y).tangent
+        assert yt is not None and torch.allclose(yt, want, atol=1e-6)
+xg.grad = None
+outs = rpos(xg, None)
+assert len(outs) == 1 and outs[0].grad_fn is not None
+outs[0].backward(g.reshape(32, -1, 64))
+assert torch.allclose(xg.grad, back(g), atol=1e-5)
+print("ok")
+"""
+
+
+def test_cpp_autograd_kernels_on_the_cpu():
+    """With the C++ launch path loaded, the out-of-place ops' CPU and CUDA autograd kernels are
+    C++: a call that needs no gradient (no input requires grad, grad mode off, only the table
+    requires grad) records no autograd node; one that does (x; q or k alone; the positions op with
+    and without k) gets the Python autograd kernel's node and the backward rotation as its
+    gradient; a forward-mode tangent gets the rotated tangent."""
+    from cupy_rope import _torch_ext
+
+    why = _torch_ext.missing_tools()
+    if why:
+        pytest.skip(f"cannot build the C++ launch path here: {why}")
+    r = _run(_AUTOGRAD_CODE, "1")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_off_switch_keeps_the_python_kernels():
     r = _run("import cupy_rope.torch as crt; from cupy_rope import _torch_ext; "
              "assert not crt._EXT and _torch_ext.info() == {}; print('ok')", "0")

@@ -19,11 +19,14 @@
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 #endif
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
@@ -293,6 +296,45 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   run_python(l.f, l.keyed ? &l.key : nullptr, stack);
 }
 
+// The autograd kernel of the out-of-place ops (rope, rope_qk, rope_pos) for CUDA and CPU tensors.
+// A call that needs no gradient (no differentiable input -- x; q and k -- requires grad with grad
+// mode on or carries a tangent) goes straight to the op's kernel below autograd, with no Python;
+// one that does runs
+// the torch shim's Python autograd kernel (op cupy_rope::_ag_<op>, the op's schema), which records
+// the autograd node. The shim registers the same Python kernel for the other autograd keys.
+const c10::OperatorHandle& ag_op(Family f) {
+  auto find = [](const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); };
+  static const c10::OperatorHandle rope = find("cupy_rope::_ag_rope"), qk = find("cupy_rope::_ag_rope_qk"),
+                                   pos = find("cupy_rope::_ag_rope_pos");
+  return f == ROPE ? rope : f == QK ? qk : pos;
+}
+
+// A differentiable input requires grad (grad mode on) or carries a forward-mode tangent (level 0,
+// the level torch's own autograd kernels check).
+bool needs_grad(Family f, c10::ArrayRef<c10::IValue> a) {
+  const bool grad_mode = c10::GradMode::is_enabled();
+  auto rg = [&](size_t i) {
+    if (!a[i].isTensor()) return false;
+    const at::Tensor& t = a[i].toTensor();
+    return (grad_mode && t.requires_grad()) || t._fw_grad(0).defined();
+  };
+  switch (f) {
+    case ROPE: return rg(0);             // x
+    case QK: return rg(0) || rg(1);      // q, k
+    default: return rg(1) || rg(2);      // positions, q, k
+  }
+}
+
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const Family f = family_of(op.schema().name());
+  if (needs_grad(f, torch::jit::last(*stack, op.schema().arguments().size()))) {
+    ag_op(f).callBoxed(stack);
+    return;
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
+
 // Called by the Python path (while it resolves a miss of this thread) with its prepared launch.
 void ext_put(int64_t fn, int64_t gx, int64_t gy, int64_t block, bool pdl, c10::ArrayRef<int64_t> params,
              c10::ArrayRef<int64_t> blocks, c10::ArrayRef<int64_t> slot_counts,
@@ -465,4 +507,14 @@ TORCH_LIBRARY_IMPL(cupy_rope, CUDA, m) {
   for (const char* name : {"rope", "_rope_impl", "rope_qk", "_rope_qk_impl", "rope_qk_", "rope_pos",
                            "_rope_pos_impl", "rope_pos_"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&kernel>());
+}
+
+TORCH_LIBRARY_IMPL(cupy_rope, AutogradCUDA, m) {
+  for (const char* name : {"rope", "rope_qk", "rope_pos"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+}
+
+TORCH_LIBRARY_IMPL(cupy_rope, AutogradCPU, m) {
+  for (const char* name : {"rope", "rope_qk", "rope_pos"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
 }
