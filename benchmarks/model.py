@@ -25,7 +25,8 @@ sets the time of host-bound steps, drifts alike for all.
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
 bf16 with offsets, against the formula in the same framework and mode, and the raw launch cost
-of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` on a prepared argument block.
+of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` and cuda-bindings'
+``cuda.bindings.driver.cuLaunchKernel`` (where installed) on a prepared argument block.
 
     python benchmarks/model.py --json benchmarks/results/h200_model.json
     python benchmarks/model.py --configs decode --modes eager --kinds infer   # a subset
@@ -437,12 +438,23 @@ def percall_rows(profile=None):
     add("launch: cupy.cuda.driver.launchKernel, prepared args",
         _wall_us(lambda: driver.launchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(argv), 0), csync))
     try:
-        from cuda.bindings import driver as cbd  # noqa: F401
-
-        add("launch: cuda.bindings available", float("nan"), note="not measured")
+        from cuda.bindings import driver as cbd
     except ImportError:
-        rows.append(dict(entry="launch: cuda.bindings.driver.cuLaunchKernel", us_per_call=None,
+        rows.append(dict(entry="launch: cuda.bindings.driver.cuLaunchKernel, prepared args", us_per_call=None,
                          formula_us_per_call=None, note="cuda-bindings not installed on the benchmark machine"))
+        return rows
+    try:  # the same prepared block through cuda-bindings (kernelParams as the address of the void* array)
+        argv_addr = ctypes.addressof(argv)
+
+        def cb_launch():
+            err, = cbd.cuLaunchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, argv_addr, 0)
+            if err != cbd.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuLaunchKernel: {err}")
+
+        add("launch: cuda.bindings.driver.cuLaunchKernel, prepared args", _wall_us(cb_launch, csync))
+    except Exception as e:  # noqa: BLE001 - an API difference of this cuda-bindings: recorded, not fatal
+        rows.append(dict(entry="launch: cuda.bindings.driver.cuLaunchKernel, prepared args", us_per_call=None,
+                         formula_us_per_call=None, note=f"failed: {type(e).__name__}: {e}"[:200]))
     return rows
 
 
