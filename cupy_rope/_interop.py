@@ -200,7 +200,7 @@ def empty_like(kind: str, like, shape: tuple, transposed: bool = False, same: bo
         raise TypeError(f"cupy_rope: cannot allocate for {kind}")
     import cupy
 
-    dev = like.device.id
+    dev = like.data.device_id
     if cupy.cuda.runtime.getDevice() == dev:
         y = cupy.empty(alloc, dtype=like.dtype)
     else:

@@ -207,7 +207,8 @@ _CACHE: dict = {}
 _CACHE_MAX = 4096
 _STATS = {"hits": 0, "misses": 0}
 # Set by a framework shim with a launch cache of its own (the torch shim's C++ path):
-# ``MIRROR(prepared, outputs)`` is told every launch a call used (hit or new); each of
+# ``MIRROR(prepared, outputs)`` is told every new launch and every hit of a call on torch tensors
+# (the only arrays that cache serves; it keeps what a miss of its own resolves); each of
 # DEBUG_LISTENERS is told when debug mode changes (cached launches skip its checks).
 MIRROR = None
 DEBUG_LISTENERS: list = []
@@ -269,8 +270,9 @@ def _descs_cupy(arrays, descs, ptrs) -> bool:
             continue
         if _KINDS.get(type(a)) != "cupy":
             return False
-        p = a.data.ptr
-        descs.append((a.shape, a.strides, a.dtype, a.device.id, p & 15))
+        m = a.data  # its memory pointer: address and device without a Device object
+        p = m.ptr
+        descs.append((a.shape, a.strides, a.dtype, m.device_id, p & 15))
         ptrs.append(p)
     return True
 
@@ -307,8 +309,9 @@ def overlap_signature(kind, arrays, written: int) -> tuple:
 
 def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
-    kind, an unhashable option). Options are keyed with their types: only calls whose exact
-    options a first call validated can hit. ``written``: a call that writes its first
+    kind). Options are keyed with their types: only calls whose exact options a first call
+    validated can hit; a key holding an unhashable option misses (:func:`cached_call`) and is not
+    kept (:func:`cache_put`). ``written``: a call that writes its first
     ``written`` arrays in place also keys their :func:`overlap_signature`."""
     descs, ptrs = [], []
     if not _DESCS[kind](arrays, descs, ptrs):
@@ -316,17 +319,16 @@ def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     key = (head, opts, tuple(map(type, opts)), tuple(descs))
     if written:
         key += overlap_signature(kind, arrays, written)
-    try:
-        hash(key)
-    except TypeError:
-        return None, None
     return key, ptrs
 
 
 def cached_call(key, ptrs, arrays, kind):
     """Run the cached launch of ``key`` (if any): allocate its outputs, patch every address,
     launch on the caller's current stream. Returns the new outputs, or None on a miss."""
-    entry = _CACHE.get(key)
+    try:
+        entry = _CACHE.get(key)  # the key's one hash
+    except TypeError:  # an unhashable option
+        entry = None
     if entry is None:
         _STATS["misses"] += 1
         return None
@@ -340,7 +342,7 @@ def cached_call(key, ptrs, arrays, kind):
         results.append(y)
     prepared(_interop.current_stream(kind, prepared.device), ptrs)
     _STATS["hits"] += 1
-    if MIRROR is not None:
+    if MIRROR is not None and kind == "torch":  # the torch shim's C++ cache serves torch tensors only
         MIRROR(prepared, outputs)
     return results
 
@@ -350,6 +352,10 @@ def cache_put(key, prepared, outputs):
     address % 16)] allocated per call. ``prepared`` takes its addresses in the order of the key's
     arrays, then the outputs."""
     if key is None or prepared is None:
+        return
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option: not kept
         return
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()

@@ -227,3 +227,81 @@ def test_programmatic_launch_switch(monkeypatch):
     monkeypatch.setenv("CUPY_ROPE_PDL", "off")
     with pytest.raises(ValueError, match="CUPY_ROPE_PDL: expected 0 or 1, got 'off'"):
         _launch.pdl_launcher(0)
+
+
+class FakeCupyDevice:
+    """CuPy arrays over fake device memory (no driver: nothing reads or writes it), a CuPy
+    allocator handing out fresh 256-byte aligned addresses, and stand-ins for the device queries
+    and the driver, so that the public API's whole CuPy path (miss: plan and prepare; hit: key,
+    allocate, patch, launch) runs on the CPU."""
+
+    def __init__(self, monkeypatch, cupy):
+        self.cupy, self.next = cupy, 0
+        self.mem = cupy.cuda.UnownedMemory(1 << 40, 1 << 32, None, device_id=0)
+        self.driver = FakeDriver()
+        monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float, order="C": self.array(shape, dtype))
+        monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setitem(_launch._interop._STREAM_FNS, "cupy", lambda dev: 0xABC0)
+        monkeypatch.setattr(_launch, "_CACHE", {})
+        monkeypatch.setattr(_launch, "_drv", lambda: None)
+        monkeypatch.setattr(_launch, "_driver", self.driver)
+        monkeypatch.setattr(_launch, "function", lambda name, dev: (111, 222))
+        monkeypatch.setattr(_launch, "sm_count", lambda dev: 132)
+        monkeypatch.setattr(_launch, "pdl_launcher", lambda dev: None)
+        monkeypatch.setattr(_launch, "NATIVE", None)
+        monkeypatch.setattr(_launch, "MIRROR", None)
+
+    def array(self, shape, dtype, offset=0):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        start = self.next + offset
+        self.next = (start + n + 255) // 256 * 256
+        return self.cupy.ndarray(tuple(shape), dtype, self.cupy.cuda.MemoryPointer(self.mem, start))
+
+    def words(self, prepared, names, name):
+        """The parameter-block words of address ``name`` in the prepared launch."""
+        return [prepared.buf[w] for w in prepared.slots[names.index(name)]]
+
+
+def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
+    """CuPy arrays through the public API on the CPU: the first call of a layout plans and
+    launches (a miss), later calls with other arrays of the same layout hit and launch the
+    prepared block with every address patched (inputs, tables, index arrays, the new output);
+    the patched block equals the block a fresh plan of those arrays makes; another alignment
+    or another option is a miss."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy)
+    before = dict(_launch._STATS)
+    f = dev.array((64, 1, 1, 32), np.float32)
+    sp = dev.array((4,), np.int32)
+    xs = [dev.array((3, 4, 2, 32), np.float16) for _ in range(3)]
+    ys = [cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp) for x in xs]
+    assert len(dev.driver.launched) == 3 and len(_launch._CACHE) == 1
+    assert _launch._STATS["misses"] - before["misses"] == 1 and _launch._STATS["hits"] - before["hits"] == 2
+    (prepared, _), = _launch._CACHE.values()
+    names = _api._ROPE_NAMES
+    assert dev.words(prepared, names, "x") == [xs[-1].data.ptr]
+    assert dev.words(prepared, names, "y") == [ys[-1].data.ptr]
+    assert dev.words(prepared, names, "freqs") == [f.data.ptr]
+    assert dev.words(prepared, names, "start_positions") == [sp.data.ptr]
+    assert all(y.shape == xs[0].shape and y.dtype == np.float16 and y.flags.c_contiguous for y in ys)
+    assert len({y.data.ptr for y in ys}) == 3
+    # in place: the hit's patched block is the block a fresh plan of the same arrays makes
+    x = dev.array((3, 4, 2, 32), np.float16)
+    for a in (dev.array((3, 4, 2, 32), np.float16), x):
+        assert cupy_rope.apply_rope(a, f, "sbhd", start_positions=sp, out=a) is a
+    hit_block = bytes(next(p for k, (p, _) in _launch._CACHE.items() if k[0][2] is False).buf)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp, out=x)
+    (fresh, _), = _launch._CACHE.values()
+    assert bytes(fresh.buf) == hit_block
+    # against a cached out-of-place launch of x, another alignment (a 2-byte offset: narrower
+    # vectors) and another option are misses
+    cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp)
+    misses = _launch._STATS["misses"]
+    cupy_rope.apply_rope(dev.array((3, 4, 2, 32), np.float16), f, "sbhd", start_positions=sp)
+    assert _launch._STATS["misses"] == misses
+    cupy_rope.apply_rope(dev.array((3, 4, 2, 32), np.float16, offset=2), f, "sbhd", start_positions=sp)
+    cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp, interleaved=True)
+    assert _launch._STATS["misses"] - misses == 2 and len(_launch._CACHE) == 4

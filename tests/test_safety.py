@@ -158,8 +158,11 @@ def test_options_validated_before_cache_keys():
                      (dict(transpose_output_memory=[1]), "transpose_output_memory")):
         with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
             cupy_rope.apply_rope(X, F, **kw)
-    key, ptrs = _launch.cache_key("cupy", ("rope",), ([1],), ())  # unhashable: not cacheable
-    assert key is None and ptrs is None
+    key, ptrs = _launch.cache_key("cupy", ("rope",), ([1],), ())  # unhashable: a miss, never kept
+    misses, size = _launch._STATS["misses"], len(_launch._CACHE)
+    assert _launch.cached_call(key, ptrs, (), "cupy") is None and _launch._STATS["misses"] == misses + 1
+    _launch.cache_put(key, object(), [])
+    assert len(_launch._CACHE) == size
     # options are keyed with their types: interleaved=1 never hits the entry of interleaved=True
     assert _launch.cache_key("cupy", ("rope",), (True,), ())[0] != _launch.cache_key("cupy", ("rope",), (1,), ())[0]
 
