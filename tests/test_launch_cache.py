@@ -305,3 +305,35 @@ def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
     cupy_rope.apply_rope(dev.array((3, 4, 2, 32), np.float16, offset=2), f, "sbhd", start_positions=sp)
     cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp, interleaved=True)
     assert _launch._STATS["misses"] - misses == 2 and len(_launch._CACHE) == 4
+    cupy_rope.apply_rope(dev.array((3, 4, 2, 32), np.float16, offset=8), f, "sbhd", start_positions=sp)
+    assert _launch._STATS["misses"] - misses == 3  # an 8-byte offset: 8-byte vectors
+    # which argument is absent is part of the key
+    a, b = (_launch.cache_key("cupy", ("rope",), (), (x, f, c, s))[0] for c, s in ((None, sp), (sp, None)))
+    assert a != b
+    # with another device's context current, the launch runs inside that device's context
+    entered = []
+
+    class Device:
+        def __init__(self, i):
+            self.i = i
+
+        def __enter__(self):
+            entered.append(self.i)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(dev.driver, "ctxGetCurrent", lambda: 999)
+    n = len(dev.driver.launched)
+    cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp)
+    assert entered == [0] and len(dev.driver.launched) == n + 1
+
+
+def test_cache_is_bounded(monkeypatch):
+    """A full launch cache is emptied before the next entry is kept."""
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    monkeypatch.setattr(_launch, "_CACHE_MAX", 2)
+    for i in range(5):
+        _launch.cache_put(("k", i), FakePrepared(), [])
+        assert 1 <= len(_launch._CACHE) <= 2 and ("k", i) in _launch._CACHE
