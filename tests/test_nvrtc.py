@@ -28,3 +28,48 @@ def test_every_instantiation_compiles_for_sm90():
     assert len(cubin) > 100000
     for n in names:  # every entry point is present as an unmangled symbol
         assert n.encode() in cubin, n
+
+
+@pytest.mark.parametrize("defines, expected", [
+    ((), ["cp.async.ca.shared.global [", "st.global.v4.b32 ["]),
+    (("-DCUPY_ROPE_PREFETCH=256",), ["cp.async.ca.shared.global.L2::256B [", "ld.global.L2::256B.v4.b32"]),
+    (("-DCUPY_ROPE_LOAD_EVICT_FIRST=1",), ["createpolicy.fractional.L2::evict_first.b64",
+                                           "cp.async.ca.shared.global.L2::cache_hint ["]),
+    (("-DCUPY_ROPE_STORE_HINT=1",), ["st.global.cs.v4.b32 ["]),
+    (("-DCUPY_ROPE_STORE_HINT=2",), ["st.global.L2::cache_hint.v4.b32 ["]),
+], ids=["plain", "prefetch", "load-evict-first", "store-cs", "store-evict-first"])
+def test_cache_hint_variants_compile(defines, expected):
+    """The cache-hint defines of the benchmark variants (kernels_cu/rope_common.cuh) compile for
+    sm_90 and put their instructions in the streaming (ring) and one-row kernels' PTX; without
+    them the accesses carry no hint."""
+    _nvrtc_or_skip()
+    import cuda.pathfinder as pf
+    from cupy.cuda import nvrtc
+
+    names = ["rope_bf16_v8_n_f", "rope1_bf16_v8_n_f"]
+    inc = pf.find_nvidia_header_directory("cudart")
+    prog = nvrtc.createProgram(_kernels.source_for(names), "cupy_rope.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device",
+                                    *_kernels.defines(), *defines])
+    except Exception:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from None
+    ptx = nvrtc.getPTX(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    for e in expected:
+        assert e in ptx, e
+    hints = ("L2::", ".cs.", "createpolicy")
+    assert any(h in ptx for h in hints) == bool(defines)
+
+
+@pytest.mark.parametrize("define", ["-DCUPY_ROPE_PREFETCH=100", "-DCUPY_ROPE_STORE_HINT=3"])
+def test_cache_hint_defines_out_of_range_do_not_compile(define):
+    _nvrtc_or_skip()
+    import cuda.pathfinder as pf
+    from cupy.cuda import nvrtc
+
+    inc = pf.find_nvidia_header_directory("cudart")
+    prog = nvrtc.createProgram(_kernels.source_for(["rope_bf16_v8_n_f"]), "cupy_rope.cu", [], [])
+    with pytest.raises(Exception):
+        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device", define])
+    assert define.split("=")[0][2:] in nvrtc.getProgramLog(prog)
