@@ -24,9 +24,10 @@ synchronisation per round; the variants' rounds interleaved, so that the host's 
 sets the time of host-bound steps, drifts alike for all.
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
-bf16 with offsets, against the formula in the same framework and mode, and the raw launch cost
-of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` and cuda-bindings'
-``cuda.bindings.driver.cuLaunchKernel`` (where installed) on a prepared argument block.
+bf16 with offsets, against the formula in the same framework and mode (their rounds interleaved),
+and the raw launch cost of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` and
+cuda-bindings' ``cuda.bindings.driver.cuLaunchKernel`` (where installed) on a prepared argument
+block.
 
     python benchmarks/model.py --json benchmarks/results/h200_model.json
     python benchmarks/model.py --configs decode --modes eager --kinds infer   # a subset
@@ -296,6 +297,14 @@ def _wall_us(fn, sync, calls=200, rounds=7):
     return _per_call(fn, sync, calls, rounds, warm=20) * 1e6
 
 
+def _paired_us(ours, formula, sync, calls=200, rounds=9, per=1):
+    """(ours, formula): median wall µs per call of each, their rounds interleaved
+    (:func:`_paired_step_ms`), so that the host's drift during the measurement reaches both; divided
+    by ``per`` (calls per function call, for chains)."""
+    r = _paired_step_ms({"ours": ours, "formula": formula}, sync, rounds=rounds, per_round=calls)
+    return r["ours"] * 1e3 / per, r["formula"] * 1e3 / per
+
+
 def _profile(path, fns, n=3000):
     """cProfile of ``n`` calls of each function (the hot path's own cost), written to ``path``."""
     import cProfile
@@ -346,14 +355,13 @@ def percall_rows(profile=None):
         return t * cos + torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1) * sin
 
     # torch eager
-    add("torch: cupy_rope.torch.apply_rope", _wall_us(lambda: crt.apply_rope(x, f, start_positions=sp), tsync),
-        _wall_us(lambda: formula(x), tsync))
+    add("torch: cupy_rope.torch.apply_rope", *_paired_us(lambda: crt.apply_rope(x, f, start_positions=sp),
+                                                          lambda: formula(x), tsync))
     add("torch: cupy_rope.apply_rope (plain API)", _wall_us(lambda: cupy_rope.apply_rope(x, f, start_positions=sp), tsync))
     op = torch.ops.cupy_rope.rope.default
     add("torch: torch.ops.cupy_rope.rope", _wall_us(lambda: op(x, f, "sbhd", False, None, sp, 1, 0, False, False), tsync))
     add("torch: cupy_rope.torch.apply_rope_qk (q and k)",
-        _wall_us(lambda: crt.apply_rope_qk(x, k, f, start_positions=sp), tsync),
-        _wall_us(lambda: (formula(x), formula(k)), tsync))
+        *_paired_us(lambda: crt.apply_rope_qk(x, k, f, start_positions=sp), lambda: (formula(x), formula(k)), tsync))
     import cupy_rope.vllm as crv
 
     pos_t = sp.long()
@@ -365,8 +373,8 @@ def percall_rows(profile=None):
     xg = x.clone().requires_grad_(True)
     gy = torch.randn_like(x)
     add("torch: apply_rope forward+backward (autograd)",
-        _wall_us(lambda: crt.apply_rope(xg, f, start_positions=sp).backward(gy), tsync),
-        _wall_us(lambda: formula(xg).backward(gy), tsync))
+        *_paired_us(lambda: crt.apply_rope(xg, f, start_positions=sp).backward(gy), lambda: formula(xg).backward(gy),
+                    tsync))
     # torch.compile: a chain of 16 calls, per call
     n = 16
 
@@ -381,8 +389,8 @@ def percall_rows(profile=None):
         kw = {} if mode == "default" else dict(mode="reduce-overhead")
         c_ours = torch.compile(chain(lambda t: crt.apply_rope(t, f, start_positions=sp)), fullgraph=True, **kw)
         c_form = torch.compile(chain(formula), fullgraph=True, **kw)
-        add(f"torch.compile({mode}): per call in a chain of {n}", _wall_us(lambda: c_ours(x), tsync, calls=50) / n,
-            _wall_us(lambda: c_form(x), tsync, calls=50) / n)
+        add(f"torch.compile({mode}): per call in a chain of {n}",
+            *_paired_us(lambda: c_ours(x), lambda: c_form(x), tsync, calls=50, per=n))
     # CuPy
     xc, fc, spc = cupy.from_dlpack(x), cupy.from_dlpack(f), cupy.from_dlpack(sp)
     csync = lambda _: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
@@ -398,12 +406,11 @@ def percall_rows(profile=None):
 
     one = jax.jit(lambda t: crj.apply_rope(t, fj, start_positions=spj))
     one_f = jax.jit(jformula)
-    add("jax: one jitted call", _wall_us(lambda: one(xj), jax.block_until_ready),
-        _wall_us(lambda: one_f(xj), jax.block_until_ready))
+    add("jax: one jitted call", *_paired_us(lambda: one(xj), lambda: one_f(xj), jax.block_until_ready))
     jchain = jax.jit(chain(lambda t: crj.apply_rope(t, fj, start_positions=spj)))
     jchain_f = jax.jit(chain(jformula))
-    add(f"jax: per op inside a jitted chain of {n}", _wall_us(lambda: jchain(xj), jax.block_until_ready, calls=50) / n,
-        _wall_us(lambda: jchain_f(xj), jax.block_until_ready, calls=50) / n)
+    add(f"jax: per op inside a jitted chain of {n}",
+        *_paired_us(lambda: jchain(xj), lambda: jchain_f(xj), jax.block_until_ready, calls=50, per=n))
     from cupy_rope import _xla
 
     launch_way = "FFI handler" if _xla.ffi_library() is not None else "callback (the FFI handler did not build)"
