@@ -30,6 +30,24 @@ def test_every_instantiation_compiles_for_sm90():
         assert n.encode() in cubin, n
 
 
+
+def _ptx(names, *defines) -> str:
+    """The PTX of kernels ``names`` compiled by NVRTC for sm_90 with extra ``defines``; an
+    ``AssertionError`` with NVRTC's log when they do not compile."""
+    import cuda.pathfinder as pf
+    from cupy.cuda import nvrtc
+
+    inc = pf.find_nvidia_header_directory("cudart")
+    prog = nvrtc.createProgram(_kernels.source_for(names), "cupy_rope.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device",
+                                    *_kernels.defines(), *defines])
+    except Exception:
+        raise AssertionError(nvrtc.getProgramLog(prog)) from None
+    ptx = nvrtc.getPTX(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
 @pytest.mark.parametrize("defines, expected", [
     ((), ["cp.async.ca.shared.global [", "st.global.v4.b32 ["]),
     (("-DCUPY_ROPE_PREFETCH=256",), ["cp.async.ca.shared.global.L2::256B [", "ld.global.L2::256B.v4.b32"]),
@@ -43,33 +61,24 @@ def test_cache_hint_variants_compile(defines, expected):
     sm_90 and put their instructions in the streaming (ring) and one-row kernels' PTX; without
     them the accesses carry no hint."""
     _nvrtc_or_skip()
-    import cuda.pathfinder as pf
-    from cupy.cuda import nvrtc
-
-    names = ["rope_bf16_v8_n_f", "rope1_bf16_v8_n_f"]
-    inc = pf.find_nvidia_header_directory("cudart")
-    prog = nvrtc.createProgram(_kernels.source_for(names), "cupy_rope.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device",
-                                    *_kernels.defines(), *defines])
-    except Exception:
-        raise AssertionError(nvrtc.getProgramLog(prog)) from None
-    ptx = nvrtc.getPTX(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = _ptx(["rope_bf16_v8_n_f", "rope1_bf16_v8_n_f"], *defines)
     for e in expected:
         assert e in ptx, e
-    hints = ("L2::", ".cs.", "createpolicy")
-    assert any(h in ptx for h in hints) == bool(defines)
+    assert any(h in ptx for h in ("L2::", ".cs.", "createpolicy")) == bool(defines)
 
 
 @pytest.mark.parametrize("define", ["-DCUPY_ROPE_PREFETCH=100", "-DCUPY_ROPE_STORE_HINT=3"])
 def test_cache_hint_defines_out_of_range_do_not_compile(define):
     _nvrtc_or_skip()
-    import cuda.pathfinder as pf
-    from cupy.cuda import nvrtc
+    with pytest.raises(AssertionError, match=define.split("=")[0][2:]):
+        _ptx(["rope_bf16_v8_n_f"], define)
 
-    inc = pf.find_nvidia_header_directory("cudart")
-    prog = nvrtc.createProgram(_kernels.source_for(["rope_bf16_v8_n_f"]), "cupy_rope.cu", [], [])
-    with pytest.raises(Exception):
-        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device", define])
-    assert define.split("=")[0][2:] in nvrtc.getProgramLog(prog)
+
+def test_qkv_incremental_variant_compiles():
+    """The QKV backward's benchmark variant (``-DCUPY_QKV_INCREMENTAL=1``: running row pointers)
+    compiles for sm_90 (its results are checked on the CPU by running the host build with it:
+    benchmarks/NOTES.md)."""
+    _nvrtc_or_skip()
+    names = ["qkv_bf16_v8_n_b", "qkv_f32_v4_i_b"]
+    ptx = _ptx(names, "-DCUPY_QKV_INCREMENTAL=1")
+    assert all(n in ptx for n in names)
