@@ -55,10 +55,19 @@ def qkv_case(i, layout, g, n, d):
     return dtype, qkv, qf, kf, kw
 
 
-@pytest.fixture(params=["one_row", "max_rows"])
+@pytest.fixture(params=["one_row", "max_rows", "two_chunks"])
 def kernel(request, monkeypatch):
-    """Both ends of the work split (see test_cpu_matrix.kernel)."""
+    """Both ends of the work split (see test_cpu_matrix.kernel), and two chunks per group: threads
+    that step over every other row (query, key and value rows alike)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
+    if request.param == "two_chunks":
+        split = _worksplit.split_work
+
+        def two_chunks(n_tok, n_sets, rows, *args, **kw):
+            n_rot, n_units, tail_w, chunks, threads = split(n_tok, n_sets, rows, *args, **kw)
+            return n_rot, n_units, tail_w, 2, threads // chunks * 2
+
+        monkeypatch.setattr(_worksplit, "split_work", two_chunks)
     return request.param
 
 
