@@ -299,9 +299,9 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 // The autograd kernel of the out-of-place ops (rope, rope_qk, rope_pos) for CUDA and CPU tensors.
 // A call that needs no gradient (no differentiable input -- x; q and k -- requires grad with grad
 // mode on or carries a tangent) goes straight to the op's kernel below autograd, with no Python;
-// one that does runs
-// the torch shim's Python autograd kernel (op cupy_rope::_ag_<op>, the op's schema), which records
-// the autograd node. The shim registers the same Python kernel for the other autograd keys.
+// one that does runs the torch shim's Python autograd kernel (op cupy_rope::_ag_<op>, the op's
+// schema), which records the autograd node. The shim registers the same Python kernel for the
+// other autograd keys.
 const c10::OperatorHandle& ag_op(Family f) {
   auto find = [](const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); };
   static const c10::OperatorHandle rope = find("cupy_rope::_ag_rope"), qk = find("cupy_rope::_ag_rope_qk"),
