@@ -34,14 +34,23 @@ def test_numpy_backend(case, backward):
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
 
 
-@pytest.fixture(params=["one_row", "one_row_streaming", "max_rows"])
+@pytest.fixture(params=["one_row", "one_row_streaming", "max_rows", "two_chunks"])
 def kernel(request, monkeypatch):
     """Both ends of the work split: one row per thread (a large device; the one-row kernel, and
     the streaming kernel given one row per thread) and all rows of a token in one thread (a small
-    device)."""
-    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if request.param == "max_rows" else 10**9)
+    device); and between them two chunks per token (threads stepping over every other head)."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param.startswith("one_row") else 1)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", request.param == "one_row")
+    if request.param == "two_chunks":
+        split = _worksplit.split_work
+
+        def two_chunks(n_tok, n_sets, rows, *args, **kw):
+            n_rot, n_units, tail_w, chunks, threads = split(n_tok, n_sets, rows, *args, **kw)
+            c = min(rows, 2)
+            return n_rot, n_units, tail_w, c, threads // chunks * c
+
+        monkeypatch.setattr(_worksplit, "split_work", two_chunks)
     return request.param
 
 
