@@ -8,7 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from cupy_rope import _api, _launch
+from cupy_rope import _api, _kernels, _launch
 
 torch = pytest.importorskip("torch")
 
@@ -210,6 +210,9 @@ def test_prepared_launch_patches_the_addresses_the_api_passes(monkeypatch, what,
     assert prepared.pdl is pdl
     prepared(0xABC0, [0 if a is None else a.__array_interface__["data"][0] for a in order2])
     assert bytes(prepared.buf) == spec2.params
+    n = _kernels.param_blocks(spec1.name)  # the launch's argument array: one pointer per block
+    assert [prepared.argv[i] for i in range(n)] == [ctypes.addressof(prepared.buf) + i * len(spec2.params) // n
+                                                    for i in range(n)]
     used, unused = (launch_ex, driver) if pdl else (driver, launch_ex)
     assert used.launched == [ctypes.addressof(prepared.buf)] and unused.launched == []
     if pdl:
