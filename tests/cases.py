@@ -1,3 +1,18 @@
 """The spec's test matrix lives in cupy_rope.testing (shared with `python -m cupy_rope check`)."""
 from cupy_rope.testing import (NP_DTYPES, Case, inputs, make_cu_seqlens, matrix,  # noqa: F401
                                rng_for, strided)
+
+
+def split_in_chunks(monkeypatch, chunks: int) -> None:
+    """Make the work split give every token ``chunks`` chunks (at most its rows): threads that step
+    over every ``chunks``-th row, between the split's two ends (one row per thread, one chunk)."""
+    from cupy_rope import _worksplit
+
+    split = _worksplit.split_work
+
+    def fixed(n_tok, n_sets, rows, *args, **kw):
+        n_rot, n_units, tail_w, c, threads = split(n_tok, n_sets, rows, *args, **kw)
+        n = min(rows, chunks)
+        return n_rot, n_units, tail_w, n, threads // c * n
+
+    monkeypatch.setattr(_worksplit, "split_work", fixed)

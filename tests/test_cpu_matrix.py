@@ -11,7 +11,7 @@ import cupy_rope
 from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
-from cases import NP_DTYPES, inputs, matrix
+from cases import NP_DTYPES, inputs, matrix, split_in_chunks
 from reference import assert_close_to_ref, pairs, rope_ref
 
 CASES = matrix()
@@ -43,14 +43,7 @@ def kernel(request, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", request.param == "one_row")
     if request.param == "two_chunks":
-        split = _worksplit.split_work
-
-        def two_chunks(n_tok, n_sets, rows, *args, **kw):
-            n_rot, n_units, tail_w, chunks, threads = split(n_tok, n_sets, rows, *args, **kw)
-            c = min(rows, 2)
-            return n_rot, n_units, tail_w, c, threads // chunks * c
-
-        monkeypatch.setattr(_worksplit, "split_work", two_chunks)
+        split_in_chunks(monkeypatch, 2)
     return request.param
 
 

@@ -9,7 +9,7 @@ import cupy_rope
 from cupy_rope import _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
-from cases import NP_DTYPES, make_cu_seqlens, strided
+from cases import NP_DTYPES, make_cu_seqlens, split_in_chunks, strided
 from reference import assert_close_to_ref, qkv_split_ref, rope_ref, term_scale
 
 GRID = list(itertools.product(("sbhd", "bshd", "thd"), (1, 2, 8), (1, 4, 8), (64, 80, 128, 256)))
@@ -61,13 +61,7 @@ def kernel(request, monkeypatch):
     that step over every other row (query, key and value rows alike)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param == "one_row" else 1)
     if request.param == "two_chunks":
-        split = _worksplit.split_work
-
-        def two_chunks(n_tok, n_sets, rows, *args, **kw):
-            n_rot, n_units, tail_w, chunks, threads = split(n_tok, n_sets, rows, *args, **kw)
-            return n_rot, n_units, tail_w, 2, threads // chunks * 2
-
-        monkeypatch.setattr(_worksplit, "split_work", two_chunks)
+        split_in_chunks(monkeypatch, 2)
     return request.param
 
 

@@ -13,6 +13,7 @@ import cupy_rope.flashinfer as cfi
 import cupy_rope.vllm as crv
 from cupy_rope import _interop, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels
+from cases import split_in_chunks
 from reference import NP_DTYPES, assert_close_to_ref
 from cupy_rope.testing import rope_pos_ref
 
@@ -133,17 +134,19 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
-@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows"])
+@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows", "two_chunks"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
     outputs poisoned with NaN first (every element must be written). Each case on the one-row
     kernels (rope1 for angle tables, rope1c for cos/sin caches; inverse frequencies take the
-    streaming kernel), on the streaming kernel given one row per thread, and with all rows in one
-    thread."""
-    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1 if kernel == "max_rows" else 10**9)
+    streaming kernel), on the streaming kernel given one row per thread, with all rows in one
+    thread, and with two chunks per token (threads stepping over every other head)."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if kernel.startswith("one_row") else 1)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
+    if kernel == "two_chunks":
+        split_in_chunks(monkeypatch, 2)
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     pos, q, k, tables, hs, kind, rows = case.arrays()
