@@ -86,8 +86,10 @@ __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
   if constexpr (Vec<T, V>::kBytes == 16) {
 #if defined(__CUDA_ARCH__) && CUPY_ROPE_PREFETCH
     uint4 q;
+    // no "memory" clobber: like the plain load, not a barrier to the compiler's scheduling (a
+    // thread never stores to an address it loads later)
     asm volatile("ld.global" CUPY_ROPE_PREFETCH_SUFFIX ".v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p) : "memory");
+                 : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
     r = vec_of<T, V>(q);
 #else
     r = vec_of<T, V>(*reinterpret_cast<const uint4*>(p));

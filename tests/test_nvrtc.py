@@ -32,20 +32,8 @@ def test_every_instantiation_compiles_for_sm90():
 
 
 def _ptx(names, *defines) -> str:
-    """The PTX of kernels ``names`` compiled by NVRTC for sm_90 with extra ``defines``; an
-    ``AssertionError`` with NVRTC's log when they do not compile."""
-    import cuda.pathfinder as pf
-    from cupy.cuda import nvrtc
-
-    inc = pf.find_nvidia_header_directory("cudart")
-    prog = nvrtc.createProgram(_kernels.source_for(names), "cupy_rope.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["-arch=sm_90", "--std=c++17", f"-I{inc}", "-default-device",
-                                    *_kernels.defines(), *defines])
-    except Exception:
-        raise AssertionError(nvrtc.getProgramLog(prog)) from None
-    ptx = nvrtc.getPTX(prog)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    """The PTX of kernels ``names`` compiled by NVRTC for sm_90 with extra ``defines``."""
+    return _hostkernels.nvrtc_compile(names, "sm_90", defines, ptx=True).decode()
 
 
 @pytest.mark.parametrize("defines, expected", [
@@ -70,7 +58,7 @@ def test_cache_hint_variants_compile(defines, expected):
 @pytest.mark.parametrize("define", ["-DCUPY_ROPE_PREFETCH=100", "-DCUPY_ROPE_STORE_HINT=3"])
 def test_cache_hint_defines_out_of_range_do_not_compile(define):
     _nvrtc_or_skip()
-    with pytest.raises(AssertionError, match=define.split("=")[0][2:]):
+    with pytest.raises(RuntimeError, match=define.split("=")[0][2:]):
         _ptx(["rope_bf16_v8_n_f"], define)
 
 

@@ -84,26 +84,41 @@ def unshared_count(reset: bool = True) -> int:
     return library().cupy_rope_unshared_count(int(reset))
 
 
+def _nvrtc_options(arch: str, defines=()) -> list:
+    import cuda.pathfinder as pf
+
+    inc = pf.find_nvidia_header_directory("cudart")
+    return [f"-arch={arch}", "--std=c++17", f"-I{inc}", "-default-device", *_kernels.defines(), *defines]
+
+
+def nvrtc_compile(names, arch: str = "sm_90", defines=(), ptx: bool = False) -> bytes:
+    """Kernels ``names`` compiled by NVRTC (no GPU needed) with extra ``defines``: the cubin, or
+    with ``ptx`` the PTX text. Raises ``RuntimeError`` with NVRTC's log when they do not compile."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(_kernels.source_for(names), "cupy_rope.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, _nvrtc_options(arch, defines))
+    except Exception:
+        raise RuntimeError(nvrtc.getProgramLog(prog)) from None
+    out = nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)
+    return out if isinstance(out, bytes) else out.encode()
+
+
 def nvrtc_cubin(arch: str = "sm_90") -> bytes:
-    """Every instantiation compiled by NVRTC (no GPU needed), cached like the host library.
-    Raises ``RuntimeError`` with NVRTC's log when the source does not compile."""
+    """Every instantiation compiled by NVRTC (:func:`nvrtc_compile`), cached like the host library."""
     import cuda.pathfinder as pf
     from cupy.cuda import nvrtc
 
     names = _kernels.all_kernels()
-    src = _kernels.source_for(names)
-    inc = pf.find_nvidia_header_directory("cudart")
-    opts = [f"-arch={arch}", "--std=c++17", f"-I{inc}", "-default-device", *_kernels.defines()]
+    opts = _nvrtc_options(arch)
     version = ".".join(map(str, nvrtc.getVersion()))
-    path = _cxx.cache_dir() / f"rope_nvrtc_{_cxx.build_key((src, version, *opts), _header_files([inc]))}.cubin"
+    key = _cxx.build_key((_kernels.source_for(names), version, *opts),
+                         _header_files([pf.find_nvidia_header_directory("cudart")]))
+    path = _cxx.cache_dir() / f"rope_nvrtc_{key}.cubin"
     if path.exists():
         return path.read_bytes()
-    prog = nvrtc.createProgram(src, "cupy_rope.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, opts)
-    except Exception:
-        raise RuntimeError(nvrtc.getProgramLog(prog)) from None
-    cubin = nvrtc.getCUBIN(prog)
+    cubin = nvrtc_compile(names, arch)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(cubin)
     tmp.replace(path)
