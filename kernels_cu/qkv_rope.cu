@@ -9,10 +9,6 @@
 // the q table's cos/sin held (also for the key row when k_freqs is q_freqs).
 #include "rope_common.cuh"
 
-#ifndef CUPY_QKV_INCREMENTAL
-#define CUPY_QKV_INCREMENTAL 0
-#endif
-
 namespace cupy_rope {
 
 // The launch ABI: cupy_rope reads these fields, in order, from this struct (_kernels.struct_fields);
@@ -47,9 +43,9 @@ template <typename T, bool BACKWARD> struct GroupRows {
   int q_mode, k_mode;
   const float *qrow, *krow;
   i64 qscol, kscol;
-  // CUPY_QKV_INCREMENTAL (a benchmark variant, default 0): backward loads take the next row from
-  // a running row index and query-row pointer instead of recomputing both from kk (in() is called
-  // once per row, in increasing order); set by qkv_body.
+  // Backward loads: the next row from a running row index and query-row pointer (in() is called
+  // once per row, in increasing order), not recomputed from kk as out() does for the stores: 1-2%
+  // of the packed backward's time on the H200 (benchmarks/NOTES.md). Set by qkv_body.
   i64 rin = 0;
   const T* qin = nullptr;
   __device__ __forceinline__ OutRow<T> sep(int kk) const {
@@ -60,7 +56,6 @@ template <typename T, bool BACKWARD> struct GroupRows {
   }
   __device__ __forceinline__ void in(int kk, const T*& p0, const T*& p1) {
     if (BACKWARD) {
-#if CUPY_QKV_INCREMENTAL
       if (rin < n) {
         p0 = qin;
         p1 = qin + qd;
@@ -73,11 +68,6 @@ template <typename T, bool BACKWARD> struct GroupRows {
         p1 = v + vd;
       }
       rin += C;
-#else
-      const OutRow<T> o = sep(kk);
-      p0 = o.p0;
-      p1 = o.p1;
-#endif
     } else {
       p0 = pk;
       p1 = pk + pd;
@@ -119,10 +109,8 @@ __device__ __forceinline__ void qkv_body(const QkvParams& p) {
       reinterpret_cast<T*>(p.k) + outer * p.ks0 + inner * p.ks1 + grp * p.ksh + cb0 * p.ksd,
       reinterpret_cast<T*>(p.v) + outer * p.vs0 + inner * p.vs1 + grp * p.vsh + cb0 * p.vsd,
       p.qsh, dc * p.qsd, dc * p.ksd, dc * p.vsd, kCopy, kCopy, nullptr, nullptr, p.qf_scol, p.kf_scol};
-#if CUPY_QKV_INCREMENTAL
   rows.rin = c;
   rows.qin = rows.q + c * p.qsh;
-#endif
   // Position, angles, cos/sin of the q table (held for the query rows, and for the key row
   // when k_freqs is q_freqs), before the rows stream.
   auto init = [&](float* cm, float* sm) {

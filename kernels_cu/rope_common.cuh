@@ -26,49 +26,6 @@ template <typename T, int V> struct Vec {
   unsigned int w[kWords];
 };
 
-// ---------------------------------------------------------------- cache hints
-// Hints on the 16-byte global accesses, compiled in by defines (benchmark variants: benchmarks/run.py
-// --tune "DEFINES=-DCUPY_ROPE_PREFETCH=256;..."; the defaults, all 0, are the plain accesses the
-// measurements in benchmarks/NOTES.md chose). Device code only; the host build ignores them.
-//   CUPY_ROPE_PREFETCH: L2 prefetch size (64, 128 or 256 bytes) of the 16-byte loads and of the
-//     ring's asynchronous copies (.L2::<n>B).
-//   CUPY_ROPE_LOAD_EVICT_FIRST: 1: the ring's copies carry an L2 evict-first cache policy.
-//   CUPY_ROPE_STORE_HINT: 16-byte stores: 0 plain, 1 streaming (.cs), 2 an L2 evict-first policy.
-#ifndef CUPY_ROPE_PREFETCH
-#define CUPY_ROPE_PREFETCH 0
-#endif
-#ifndef CUPY_ROPE_LOAD_EVICT_FIRST
-#define CUPY_ROPE_LOAD_EVICT_FIRST 0
-#endif
-#ifndef CUPY_ROPE_STORE_HINT
-#define CUPY_ROPE_STORE_HINT 0
-#endif
-#define CUPY_ROPE_STR2(x) #x
-#define CUPY_ROPE_STR(x) CUPY_ROPE_STR2(x)
-#if CUPY_ROPE_PREFETCH == 0
-#define CUPY_ROPE_PREFETCH_SUFFIX ""
-#elif CUPY_ROPE_PREFETCH == 64 || CUPY_ROPE_PREFETCH == 128 || CUPY_ROPE_PREFETCH == 256
-#define CUPY_ROPE_PREFETCH_SUFFIX ".L2::" CUPY_ROPE_STR(CUPY_ROPE_PREFETCH) "B"
-#else
-#error "CUPY_ROPE_PREFETCH: expected 0, 64, 128 or 256"
-#endif
-#if CUPY_ROPE_STORE_HINT < 0 || CUPY_ROPE_STORE_HINT > 2
-#error "CUPY_ROPE_STORE_HINT: expected 0, 1 or 2"
-#endif
-#if CUPY_ROPE_STORE_HINT == 1
-#define CUPY_ROPE_STORE_CS ".cs"
-#else
-#define CUPY_ROPE_STORE_CS ""
-#endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-// An L2 evict-first policy (not volatile: the compiler computes it once per thread).
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long p;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-#endif
-
 // A 16-byte vector from the four words of a 16-byte load.
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> vec_of(const uint4& q) {
@@ -84,16 +41,7 @@ template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
   Vec<T, V> r;
   if constexpr (Vec<T, V>::kBytes == 16) {
-#if defined(__CUDA_ARCH__) && CUPY_ROPE_PREFETCH
-    uint4 q;
-    // no "memory" clobber: like the plain load, not a barrier to the compiler's scheduling (a
-    // thread never stores to an address it loads later)
-    asm volatile("ld.global" CUPY_ROPE_PREFETCH_SUFFIX ".v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
-    r = vec_of<T, V>(q);
-#else
     r = vec_of<T, V>(*reinterpret_cast<const uint4*>(p));
-#endif
   } else if constexpr (Vec<T, V>::kBytes == 8) {
     const uint2 q = *reinterpret_cast<const uint2*>(p);
     r.w[0] = q.x, r.w[1] = q.y;
@@ -109,15 +57,9 @@ template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, V>& r) {
   if constexpr (Vec<T, V>::kBytes == 16) {
 #if defined(__CUDA_ARCH__)  // one 16-byte store (the compiler otherwise sometimes splits it)
-#if CUPY_ROPE_STORE_HINT == 2 && __CUDA_ARCH__ >= 800
-    asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
-                 "r"(r.w[2]), "r"(r.w[3]), "l"(evict_first_policy())
-                 : "memory");
-#else
-    asm volatile("st.global" CUPY_ROPE_STORE_CS ".v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
                  "r"(r.w[2]), "r"(r.w[3])
                  : "memory");
-#endif
 #else
     *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
 #endif
@@ -553,12 +495,7 @@ __device__ __forceinline__ void async_copy16(RingAddr dst, const void* src) {
   // .ca (through L1), not .cg: a unit's two vectors often share a 32-byte sector (interleaved
   // pairs, pass-through channels, rows of 80 channels), and the second copy then hits L1;
   // with .cg such shapes lost 7-16 points of the copy's speed (benchmarks/NOTES.md).
-#if CUPY_ROPE_LOAD_EVICT_FIRST
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint" CUPY_ROPE_PREFETCH_SUFFIX " [%0], [%1], 16, %2;"
-               ::"r"(dst), "l"(src), "l"(evict_first_policy()) : "memory");
-#else
-  asm volatile("cp.async.ca.shared.global" CUPY_ROPE_PREFETCH_SUFFIX " [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-#endif
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 #else  // no asynchronous copies: a load and a store (same results, nothing in flight)
   const uint4 v = *reinterpret_cast<const uint4*>(src);
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
