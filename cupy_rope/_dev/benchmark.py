@@ -516,20 +516,22 @@ def run_row(rid, desc, spec, quick=False, peers=True):
             except Exception as e:  # pragma: no cover
                 r["eager_jax_us"] = None
                 r["jax_error"] = repr(e)[:200]
-        if peers:
-            ref = ours["torch"](0)
-            ref = ref[0] if isinstance(ref, tuple) else ref
-            pr = {}
-            for name, fn in _peer_fns(p, direction).items():
-                if fn is None:
-                    pr[name] = "n/a"
-                    continue
-                try:
-                    pr[name] = _time_peer(fn, ref, idx, row["copy_us"])
-                except Exception as e:  # a peer failing to run is reported, not fatal
-                    pr[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
-            r["peers"] = pr
         row[direction] = r
+    # The peers run after both of cupy_rope's directions are timed: timed after the forward's peers,
+    # cupy_rope's thd backward read 10% slower than in a run without peers (benchmarks/NOTES.md).
+    for direction in ("fwd", "bwd") if peers else ():
+        ref = _ours(p, direction, "torch")(0)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        pr = {}
+        for name, fn in _peer_fns(p, direction).items():
+            if fn is None:
+                pr[name] = "n/a"
+                continue
+            try:
+                pr[name] = _time_peer(fn, ref, idx, row["copy_us"])
+            except Exception as e:  # a peer failing to run is reported, not fatal
+                pr[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        row[direction]["peers"] = pr
     return row
 
 
