@@ -501,9 +501,11 @@ def run_row(rid, desc, spec, quick=False, peers=True):
     idx = [i % p.nbuf for i in range(n_launch)]
     row = dict(id=rid, shape=desc, bytes=p.bytes, dtype=str(p.dtype).replace("torch.", ""))
     row["copy_us"], row["copy_kind"] = copy_time(p.bytes, p.nbuf, idx)
+    ours_torch = {}  # direction -> cupy_rope through torch, the peers' reference
     for direction in ("fwd", "bwd"):
         r = {}
         ours = {fw: _ours(p, direction, fw) for fw in ("torch", "cupy")}
+        ours_torch[direction] = ours["torch"]
         r["device_us"] = graph_time([lambda i=i: ours["torch"](i) for i in idx])
         r["pct_copy"] = 100 * row["copy_us"] / r["device_us"]
         r["gbps"] = p.bytes / r["device_us"] / 1e3
@@ -520,7 +522,7 @@ def run_row(rid, desc, spec, quick=False, peers=True):
     # The peers run after both of cupy_rope's directions are timed: timed after the forward's peers,
     # cupy_rope's thd backward read 10% slower than in a run without peers (benchmarks/NOTES.md).
     for direction in ("fwd", "bwd") if peers else ():
-        ref = _ours(p, direction, "torch")(0)
+        ref = ours_torch[direction](0)
         ref = ref[0] if isinstance(ref, tuple) else ref
         pr = {}
         for name, fn in _peer_fns(p, direction).items():
