@@ -18,11 +18,13 @@ from pathlib import Path
 # Kernel kinds: the source file that defines them and their entry-point macro.
 # rope: the streaming rope kernel; ropem: the same for rows of rotated and copied units (a rotary
 # slice narrower than the head), 16-byte vectors only (MIXED_BYTES); rope1 / rope1c: the same
-# rotation, one row per thread (small launches) with an angle table / a cos/sin cache.
+# rotation, one row per thread (small launches) with an angle table / a cos/sin cache; rope2c:
+# the same with a cos/sin cache and two rows per thread (large launches), 16-byte vectors only.
 KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropem": "CUPY_ROPEM_KERNEL", "rope1": "CUPY_ROPE1_KERNEL",
-         "rope1c": "CUPY_ROPE1C_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
-ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c")  # the kernels of a rope launch (RopeParams, two blocks)
+         "rope1c": "CUPY_ROPE1C_KERNEL", "rope2c": "CUPY_ROPE2C_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
+ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c", "rope2c")  # the kernels of a rope launch (RopeParams, two blocks)
 MIXED_BYTES = 16  # the only vector size of the ropem kernels (their loop streams the shared-memory ring)
+WIDE_KINDS = ("ropem", "rope2c")  # kinds instantiated for MIXED_BYTES-byte vectors only
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -53,7 +55,7 @@ def all_kernels() -> list[str]:
         kernel_name(kind, dt, v, il, bw)
         for kind, dt in itertools.product(KINDS, CTYPES)
         for v, il, bw in itertools.product(vector_widths(dt), (False, True), (False, True))
-        if kind != "ropem" or v * CTYPES[dt][1] == MIXED_BYTES
+        if kind not in WIDE_KINDS or v * CTYPES[dt][1] == MIXED_BYTES
     ]
 
 

@@ -66,6 +66,16 @@ _ODD_UNITS_MIN_ROWS = 4
 # RopeParams.share) where ``shares_sincos`` allows it. Fixed like the constants above; tests and the
 # benchmark harness's --tune SHARE_SINCOS=0 turn it off.
 _SHARE_SINCOS = True
+# Launches of 16-byte vectors with a cos/sin cache that the split leaves to the streaming kernel
+# take the two-row kernel (``rope2c``: every thread two rows of its token, loaded up front, in
+# blocks of _kernels.BLOCK) where _TWO_ROWS is set: H200, one session, forward us of the serving
+# prefill row (16K tokens, 32 q + 8 k heads, d 128, bf16 cache): 91.5 / 92.0 against 95.1 / 95.6.
+# With an angle table the same two-row split (computing the unit's sincosf once per two rows)
+# was slower than the streaming kernel on every row: sbhd 4096x2x32x128 45.1 against 39.8, thd
+# 32K tokens 164.2 against 146.6 (benchmarks/NOTES.md). Fixed like the constants above; the
+# benchmark harness's --tune TWO_ROWS=0|1 changes it.
+_TWO_ROWS = True
+_TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -134,8 +144,9 @@ def one_row_vec(kind: str, vec: int) -> int:
 def launch_alternatives(name: str) -> tuple[str, ...]:
     """The kernels a launch planned as ``name`` may run, whichever the work split picks on the
     device that runs it (a traced JAX call plans without the device's SM count): a rope launch a
-    streaming kernel (``rope_``, ``ropem_``, as its rows pick) or a one-row kernel (``rope1_``,
-    ``rope1c_``, as the table kind picks; ``rope1_`` also at its narrower width, ``one_row_vec``)."""
+    streaming kernel (``rope_``, ``ropem_``, as its rows pick), a one-row kernel (``rope1_``,
+    ``rope1c_``, as the table kind picks; ``rope1_`` also at its narrower width, ``one_row_vec``)
+    or the two-row kernel (``rope2c_``, cos/sin caches, 16-byte vectors)."""
     kind, dtype, vec, il, bw = _kernels.parse_name(name)
     if kind not in _kernels.ROPE_KINDS:
         return (name,)
@@ -159,11 +170,12 @@ def blocks_for(threads: int, block: int = 0) -> int:
     return -(-threads // (block or _kernels.BLOCK))
 
 
-def one_row_indices(threads: int) -> bool:
-    """Whether every thread index of a one-row launch of ``threads`` threads (blocks of
-    ``_ONE_ROW_BLOCK``) fits the one-row kernels' 32-bit index arithmetic (below
+def one_row_indices(threads: int, block: int = 0) -> bool:
+    """Whether every thread index of a one-row launch of ``threads`` threads (blocks of ``block``,
+    default ``_ONE_ROW_BLOCK``) fits the one-row kernels' 32-bit index arithmetic (below
     ``_ONE_ROW_THREADS``)."""
-    return blocks_for(threads, _ONE_ROW_BLOCK) * _ONE_ROW_BLOCK <= _ONE_ROW_THREADS
+    block = block or _ONE_ROW_BLOCK
+    return blocks_for(threads, block) * block <= _ONE_ROW_THREADS
 
 
 def _vec_arrays(*arrays):
@@ -175,21 +187,26 @@ def _vec_arrays(*arrays):
     return out
 
 
-def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int):
-    """(block values, threads) of one tensor of a rope launch."""
+def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int = 0):
+    """(block values, threads) of one tensor of a rope launch; ``rows_per_thread``: the chunks
+    that give each thread at most that many rows (the two-row kernels) instead of the work split's."""
     n_tok, n_inner, _ = split_tokens(plan.layout, x.shape)
     xs0, xs1 = token_strides(plan.layout, x)
     ys0, ys1 = token_strides(plan.layout, y)
     xst, yst = norm_strides(x.shape, x.strides), norm_strides(y.shape, y.strides)
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
                                                          vec, sm_count, odd_units=True)
+    block = 0
+    if rows_per_thread:  # the two-row kernel's split, in blocks of _kernels.BLOCK
+        per_chunk, chunks = threads // chunks, -(-plan.heads // rows_per_thread)
+        threads, block = per_chunk * chunks, _kernels.BLOCK
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
                 dv_item=0, dv_unit=0, dv_inner=0, share=0)
-    if one_row_indices(threads):  # the one-row kernels' divisors
+    if one_row_indices(threads, block):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))
     return vals, threads
@@ -203,22 +220,26 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     tensor has a single row and the table holds angles or cos/sin, with an angle table at most
     ``one_row_vec`` wide where the launch still has one row per thread with it and is small
     (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM`` where the wide launch's threads
-    share their sincosf), and sharing each token's sincosf where ``shares_sincos`` allows.
+    share their sincosf), and sharing each token's sincosf where ``shares_sincos`` allows; a
+    launch left to the streaming kernel with a cos/sin cache and 16-byte vectors takes the
+    two-row kernel (``_TWO_ROWS``) where its thread indices fit 32 bits.
     ``ids``: the positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
     vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
     pos = _abi.pos_values(p0.pos, cu, sp, ids)
 
-    def split(v):
+    def split(v, rows_per_thread=0):
         """(kind, parameter blocks, threads) of the launch with vectors of ``v`` elements."""
         blocks, threads = [], []
         for plan, (x, y) in zip(plans, tensors):
-            vals, nt = _rope_vals(plan, x, y, freqs, v, sm_count)
+            vals, nt = _rope_vals(plan, x, y, freqs, v, sm_count, rows_per_thread)
             blocks.append({**vals, **pos})
             threads.append(nt)
         kind = "rope"
-        if _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+        if rows_per_thread:
+            kind = _TWO_ROW_KINDS[blocks[0]["f_kind"]]
+        elif _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
             kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
         return kind, blocks, threads
 
@@ -230,10 +251,15 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         limit = _NARROW_SHARED_THREADS_PER_SM if shared else _NARROW_THREADS_PER_SM
         if alt[0] == kind and max(alt[2]) <= sm_count * limit:  # one row per thread, few threads
             vec, (kind, blocks, threads) = narrow, alt
-    if (kind == "rope" and _MIXED and vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
-            and any(b["n_rot_units"] < b["n_units"] for b in blocks)):
+    wide = vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
+    if kind == "rope" and _TWO_ROWS and wide and blocks[0]["f_kind"] in _TWO_ROW_KINDS:
+        alt = split(vec, 2)
+        if one_row_indices(max(alt[2]), _kernels.BLOCK):
+            kind, blocks, threads = alt
+    if kind == "rope" and _MIXED and wide and any(b["n_rot_units"] < b["n_units"] for b in blocks):
         kind = "ropem"
-    # the streaming kernels (rope, ropem) in the blocks their shared-memory ring is sized for
+    # the streaming kernels (rope, ropem) in the blocks their shared-memory ring is sized for, the
+    # two-row kernel in the same
     block = _ONE_ROW_BLOCK if kind in _ONE_ROW_KINDS.values() else _kernels.BLOCK
     if kind == "rope1":
         for b in blocks:

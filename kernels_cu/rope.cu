@@ -99,7 +99,14 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // kCosSin32, kCosSinT; rope1c_ kernels). The launch layer keeps inverse frequencies on the
 // streaming kernel.
 //
-// Shared sincosf (angle tables, p.share): the V heads c0 .. c0 + V - 1 (c0 a multiple of V) of a
+// R > 1 (rope2c_ kernels: cos/sin caches, large launches): the thread takes the rows c, c + C, ...
+// (at most R, C = n_chunks >= n_heads / R) of its token, every row's vectors loaded up front, the
+// unit's cos/sin read once for them. Against the streaming kernel, whose threads step through
+// many rows each, the resident threads then cover few tokens whole rather than a slice of every
+// token at once, which DRAM serves faster; with an angle table the sincosf this amortises over
+// only R rows cost more than that gains (benchmarks/NOTES.md).
+//
+// Shared sincosf (angle tables, p.share, R = 1): the V heads c0 .. c0 + V - 1 (c0 a multiple of V) of a
 // token need the same cos/sin for each of their n_units units, V * n_units = d2 / 2 pairs, one per
 // thread: thread (c, u) computes pair c % V of unit u and writes it to the block's exchange slot
 // (group start) + u * V + c % V, then reads its unit's V pairs from slots (group start) + u * V ..
@@ -108,7 +115,16 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // lies in one token and one block. A pair whose two angles differ is written as a NaN cosine;
 // a thread that reads one (or a NaN from a NaN or infinite angle) computes its unit itself, as
 // without sharing.
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE>
+// f(j) for the rows j < cnt of a thread that holds at most R.
+template <int R, class F>
+__device__ __forceinline__ void for_rows(int cnt, F f) {
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    if (R == 1 || j < cnt) f(j);
+  }
+}
+
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE, int R = 1>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   // rope_body's (tok, c, u, outer, inner) in 32 bits by multiply and shift (the launch layer runs
   // these kernels only when every thread index is below 2^31): no division before the first load.
@@ -120,7 +136,7 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
             inner = tok32 - outer32 * (unsigned)p.n_inner;
   // c >= n_heads: a tensor without heads (the other of the launch has some)
   const bool live = tok32 < p.n_tok && c < p.n_heads;
-  const bool share = !CACHE && p.share;
+  const bool share = R == 1 && !CACHE && p.share;
   if (!live && !share) return;  // sharing threads all reach the exchange
   i64 cb0, cb1;
   bool pair;
@@ -128,11 +144,18 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   const i64 r0 = row_channel(cb0, p.d2, p.rot_off), dr = row_channel(cb1, p.d2, p.rot_off) - r0;
   const T* x = reinterpret_cast<const T*>(p.x) + outer * p.xs0 + inner * p.xs1 + c * p.xsh + r0 * p.xsd;
   T* y = reinterpret_cast<T*>(p.y) + outer * p.ys0 + inner * p.ys1 + c * p.ysh + r0 * p.ysd;
+  // the thread's rows: c, c + C, ..., cnt of them
+  int cnt = 1;
+#pragma unroll
+  for (int j = 1; j < R; ++j) cnt += c + j * p.n_chunks < p.n_heads;
+  const i64 xstep = p.n_chunks * p.xsh, ystep = p.n_chunks * p.ysh;
   await_previous_grid();
-  Vec<T, V> a, b;
+  Vec<T, V> a[R], b[R];
   if (live) {
-    a = load_vec<T, V>(x);
-    if (pair) b = load_vec<T, V>(x + dr * p.xsd);
+    for_rows<R>(cnt, [&](int j) {
+      a[j] = load_vec<T, V>(x + j * xstep);
+      if (pair) b[j] = load_vec<T, V>(x + j * xstep + dr * p.xsd);
+    });
   }
   i64 pos = 0;
   const bool valid = live && rot && token_position(p.pos, outer, inner, pos);
@@ -151,15 +174,13 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   }
   if (!exchange_barrier(share) || !live) return;
   if (rotated) {
-    float v[2 * V], cm[V], sm[V];
-    to_floats<T, V>(a, v);
-    to_floats<T, V>(b, v + V);
+    float cm[V], sm[V];
+    bool held = true;
     if constexpr (CACHE) {
       const i64 i0 = INTERLEAVED ? cb0 / 2 : cb0;  // first pair of the unit
       cache_sincos<T, V>(p.f_kind, p.freqs, pos * p.f_srow, p.f_scol, p.d2 / 2, i0, cm, sm);
-      rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
     } else {
-      bool held = share;
+      held = share;
       if (share) {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
@@ -170,28 +191,36 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
         }
         if (!held) CUPY_ROPE_COUNT_UNSHARED();
       }
-      if (held || held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld) {
+      held = held || held_sincos<INTERLEAVED, V>(trow, cb0, cb1, p.f_scol, cm, sm) == kHeld;
+    }
+    for_rows<R>(cnt, [&](int j) {
+      float v[2 * V];
+      to_floats<T, V>(a[j], v);
+      to_floats<T, V>(b[j], v + V);
+      if (held) {
         rotate_unit<V, INTERLEAVED, BACKWARD>(v, cm, sm, cm, sm);
       } else {
         rotate_fresh<V, INTERLEAVED, BACKWARD>(v, trow, cb0, cb1, p.f_scol);
       }
-    }
-    from_floats<T, V>(v, a);
-    from_floats<T, V>(v + V, b);
+      from_floats<T, V>(v, a[j]);
+      from_floats<T, V>(v + V, b[j]);
+    });
   }
-  store_vec<T, V>(y, a);
-  if (pair) store_vec<T, V>(y + dr * p.ysd, b);
+  for_rows<R>(cnt, [&](int j) {
+    store_vec<T, V>(y + j * ystep, a[j]);
+    if (pair) store_vec<T, V>(y + j * ystep + dr * p.ysd, b[j]);
+  });
 }
 
 }  // namespace cupy_rope
 
 // One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
 // streaming kernel), ropem_... (the streaming kernel for rows of rotated and copied units,
-// 16-byte vectors only), rope1_... (one row per thread, angle tables) or rope1c_... (one row per
-// thread, cos/sin caches), taking two parameter blocks (grid row 0: the first tensor, row 1: the
-// second, e.g. q and k). The launch layer appends the CUPY_ROPE_KERNEL(...) /
-// CUPY_ROPEM_KERNEL(...) / CUPY_ROPE1_KERNEL(...) / CUPY_ROPE1C_KERNEL(...) lines it needs
-// (cupy_rope/_kernels.py).
+// 16-byte vectors only), rope1_... (one row per thread, angle tables), rope1c_... (one row per
+// thread, cos/sin caches) or rope2c_... (two rows per thread, cos/sin caches, 16-byte vectors),
+// taking two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
+// The launch layer appends the CUPY_ROPE_KERNEL(...) / CUPY_ROPEM_KERNEL(...) / ... lines it
+// needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPEM_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
@@ -200,3 +229,5 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)
+#define CUPY_ROPE2C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true, 2>), CUPY_ROPE_MIN_BLOCKS)

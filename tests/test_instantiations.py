@@ -51,14 +51,17 @@ def _run(name, tail, fw, monkeypatch):
     turning the one-row kernels (``rope1``, ``rope1c``) off, ``rope`` rather than ``ropem`` (whose
     rows these are: they have a tail) by turning the mixed kernels off, and the launch cache is
     emptied so that the call is planned; ``rope1`` at width ``v`` by raising its width cap to it.
-    ``rope1c`` (cos/sin caches) runs through the positions API: with a float32 cache for ``tail``
-    2, a cache in the tensors' dtype for ``tail`` 1."""
+    ``rope1c`` and ``rope2c`` (cos/sin caches, one and two rows per thread) run through the
+    positions API: with a float32 cache for ``tail`` 2, a cache in the tensors' dtype for ``tail``
+    1; ``rope2c`` with the one-row kernels off and the two-row kernel on, 5 heads (threads of two
+    rows and of one)."""
     from cupy_rope import _launch
 
     kind, dtype, v, il, bw = _parse(name)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kind in ("rope1", "rope1c"))
     monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)  # rope1 at every width it has
     monkeypatch.setattr(_worksplit, "_MIXED", kind == "ropem")
+    monkeypatch.setattr(_worksplit, "_TWO_ROWS", kind == "rope2c")
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
@@ -76,7 +79,7 @@ def _run(name, tail, fw, monkeypatch):
         host = lambda a: to_host(a, "cupy")  # noqa: E731
         dkw = dict(kw, start_positions=dev(sp))
     lead = (4, 3)
-    if kind == "rope1c":
+    if kind in ("rope1c", "rope2c"):
         x = _aligned((6, 5, d), dtype, rng)
         pos = np.array([3, 0, 9, -1, 7, 10], np.int64)  # -1 and 10: outside the cache, copied
         ang = rng.uniform(-40, 40, (10, h2))
@@ -199,8 +202,8 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
 
 def test_launch_alternatives():
     """A traced JAX call plans without the device's SM count and compiles every kernel the
-    device's work split may pick: a rope launch's three kernels (four with 16-byte vectors: the
-    mixed kernel too; the one-row angle kernel at its own width), a QKV launch's one."""
+    device's work split may pick: a rope launch's three kernels (five with 16-byte vectors: the
+    mixed and the two-row kernel too; the one-row angle kernel at its own width), a QKV launch's one."""
     names = set(_kernels.all_kernels())
     for name in names:
         alts = _worksplit.launch_alternatives(name)
@@ -209,9 +212,10 @@ def test_launch_alternatives():
         assert _kernels.parse_name(name) == (kind, dtype, v, il, bw)
         sixteen = v * _kernels.CTYPES[dtype][1] == _kernels.MIXED_BYTES
         narrow = min(v, _worksplit._ONE_ROW_ANGLE_VEC)  # rope1 also at this width
-        assert len(alts) == (1 if kind == "qkv" else 3 + sixteen + (narrow < v)), (name, alts)
+        assert len(alts) == (1 if kind == "qkv" else 3 + 2 * sixteen + (narrow < v)), (name, alts)
         if kind != "qkv":
             assert _kernels.kernel_name("rope1", dtype, narrow, il, bw) in alts, (name, alts)
-    assert sum(n.startswith("ropem_") for n in names) == 12  # 3 dtypes x interleaved x direction
+    for kind in _kernels.WIDE_KINDS:  # 3 dtypes x interleaved x direction
+        assert sum(n.startswith(kind + "_") for n in names) == 12, kind
     with pytest.raises(ValueError, match="unknown kernel name"):
         _kernels.parse_name("rope_bf16_v3x_n_f")

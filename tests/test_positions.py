@@ -134,17 +134,19 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
-@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows", "two_chunks"])
+@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows", "two_chunks", "two_rows"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
     outputs poisoned with NaN first (every element must be written). Each case on the one-row
     kernels (rope1 for angle tables, rope1c for cos/sin caches; inverse frequencies take the
     streaming kernel), on the streaming kernel given one row per thread, with all rows in one
-    thread, and with two chunks per token (threads stepping over every other head)."""
+    thread, with two chunks per token (threads stepping over every other head), and on the
+    two-row kernel (rope2c: cos/sin caches with 16-byte vectors; the others stream)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if kernel.startswith("one_row") else 1)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
+    monkeypatch.setattr(_worksplit, "_TWO_ROWS", kernel == "two_rows")
     if kernel == "two_chunks":
         split_in_chunks(monkeypatch, 2)
     names, orig = [], hostkernels.launch
@@ -155,6 +157,8 @@ def test_host_kernels(case, kernel, monkeypatch):
                None if k is None else outs[1].reshape(k.shape), hs)
     streaming = ("rope_", "ropem_")  # ropem: rows with pass-through channels, 16-byte vectors
     want = {"angles": "rope1_", "cos_sin": "rope1c_"}.get(kind, streaming) if kernel == "one_row" else streaming
+    if kernel == "two_rows" and kind in ("cos_sin", "cos_sin_t") and names and names[0].split("_")[2] == "v%d" % (16 // q.itemsize):
+        want = "rope2c_"
     assert all(n.startswith(want) for n in names), (kind, names)
 
 
@@ -173,14 +177,16 @@ def _run_host(case, pos, q, k, tables, hs):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.kind in ("angles", "cos_sin", "cos_sin_t")], ids=repr)
 def test_one_row_kernels_are_bit_identical_to_streaming_kernel(case, monkeypatch):
-    """The one-row kernels (angle tables, cos/sin caches) are the streaming kernel's arithmetic in
-    another order: on the host build (no FMA contraction) the same bits, with blocks of any size
-    (``_ONE_ROW_BLOCK``)."""
+    """The one-row kernels (angle tables, cos/sin caches) and the two-row kernel (cos/sin caches)
+    are the streaming kernel's arithmetic in another order: on the host build (no FMA contraction)
+    the same bits, with blocks of any size (``_ONE_ROW_BLOCK``)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     arrays = case.arrays()[:5]
     got = []
-    for one_row, block in ((True, 32), (True, 64), (True, _kernels.BLOCK), (False, 64)):
+    for one_row, two_rows, block in ((True, False, 32), (True, False, 64), (True, False, _kernels.BLOCK),
+                                     (False, True, 64), (False, False, 64)):
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+        monkeypatch.setattr(_worksplit, "_TWO_ROWS", two_rows)
         monkeypatch.setattr(_worksplit, "_ONE_ROW_BLOCK", block)
         got.append(_run_host(case, *arrays))
     for outs in got[:-1]:
@@ -217,6 +223,7 @@ def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
     width (``_ONE_ROW_ANGLE_VEC`` off): narrowed, a launch past the limit would take the wider one."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", 0)
+    monkeypatch.setattr(_worksplit, "_TWO_ROWS", False)  # past the limit: the streaming kernel
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1])) or orig(name, *a))
     for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:
@@ -233,6 +240,40 @@ def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
                    None if k is None else outs[1].reshape(k.shape), hs)
         (name, _), = names
         assert name.startswith("rope1" if margin == 0 else ("rope_", "ropem_")), (margin, name)
+
+
+@pytest.mark.parametrize("margin", [0, -1], ids=["at_the_limit", "past_the_limit"])
+def test_two_row_kernel_only_with_31_bit_thread_indices(margin, monkeypatch):
+    """The two-row kernel (cos/sin caches, 16-byte vectors) shares the one-row kernels' 32-bit index
+    arithmetic: a launch whose thread indices reach ``_ONE_ROW_THREADS`` (lowered to each case's
+    launch size) runs the streaming kernel, with the same results; one exactly at the limit still
+    runs the two-row kernel, in blocks of ``_kernels.BLOCK``."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
+    monkeypatch.setattr(_worksplit, "_TWO_ROWS", True)
+    names, orig = [], hostkernels.launch
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1], a[1]))
+                        or orig(name, *a))
+    seen = 0
+    for case in [c for c in CASES if c.kind in ("cos_sin", "cos_sin_t")]:
+        pos, q, k, tables, hs, kind, rows = case.arrays()
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", 2**31)
+        del names[:]
+        _run_host(case, pos, q, k, tables, hs)
+        if not names or not names[0][0].startswith("rope2c_"):
+            continue  # no tokens, or narrower vectors: the streaming kernel
+        (name, threads, block), = names
+        seen += 1
+        assert block == _kernels.BLOCK, (name, block)
+        monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", threads + margin)
+        del names[:]
+        outs = _run_host(case, pos, q, k, tables, hs)
+        case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
+                   None if k is None else outs[1].reshape(k.shape), hs)
+        (name, _, _), = names
+        assert name.startswith("rope2c_" if margin == 0 else ("rope_", "ropem_")), (margin, name)
+        if seen == 6:
+            break
+    assert seen == 6, seen
 
 
 @pytest.mark.parametrize("case", CASES[:60], ids=repr)

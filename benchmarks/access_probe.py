@@ -1,0 +1,317 @@
+"""Copy kernels with the rope kernels' access patterns, timed against each other (H200 probe).
+
+Question: does the order in which the streaming rope kernel visits memory (every resident thread
+on its own token, stepping through that token's heads, so the resident grid touches a slice of
+every token at once) cost DRAM efficiency against a copy whose resident threads sweep a compact
+window? Each kernel copies the same bytes of a ``[tokens, heads, d]`` bf16 tensor with 16-byte
+vectors, two per thread and row (the rope unit: vectors u and u + d/16), and the result is
+checked. Prints device us per kernel (CUDA events over a CUDA-graph of ``--reps`` launches).
+
+    python benchmarks/access_probe.py [--tokens 8192 --heads 32 --d 128] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SRC = r"""
+typedef unsigned long long u64;
+extern "C" __global__ void lin(const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int hu) {
+  // one unit of one row per thread, units fastest: a compact window
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long r = i / hu; int u = (int)(i % hu);
+  if (r >= rows) return;
+  const uint4* p = x + r * 2 * hu + u; uint4* q = y + r * 2 * hu + u;
+  uint4 a = p[0], b = p[hu];
+  q[0] = a; q[hu] = b;
+}
+// The streaming kernel's order: thread (token, chunk c, unit u) copies heads c, c + C, ...
+// DEPTH rows in flight (loads first, then stores).
+template <int DEPTH>
+__device__ void stream_impl(const uint4* __restrict__ x, uint4* __restrict__ y, long long tok, int heads,
+                            int C, int hu, int contig) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  int u = (int)(i % hu); long long rest = i / hu; int c = (int)(rest % C); long long t = rest / C;
+  if (t >= tok) return;
+  const int per = (heads + C - 1) / C;
+  int cnt = contig ? min(per, heads - c * per) : (heads - c + C - 1) / C;
+  int h0 = contig ? c * per : c, hs = contig ? 1 : C;
+  const long long rs = 2 * hu;
+  const uint4* p = x + (t * heads + h0) * rs + u; uint4* q = y + (t * heads + h0) * rs + u;
+  for (int k = 0; k < cnt; k += DEPTH) {
+    uint4 a[DEPTH], b[DEPTH];
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) if (k + j < cnt) { a[j] = p[(long long)(k + j) * hs * rs]; b[j] = p[(long long)(k + j) * hs * rs + hu]; }
+#pragma unroll
+    for (int j = 0; j < DEPTH; ++j) if (k + j < cnt) { q[(long long)(k + j) * hs * rs] = a[j]; q[(long long)(k + j) * hs * rs + hu] = b[j]; }
+  }
+}
+extern "C" __global__ void stream4(const uint4* x, uint4* y, long long tok, int heads, int C, int hu, int contig) {
+  stream_impl<4>(x, y, tok, heads, C, hu, contig);
+}
+// Grid-stride over (row, unit) with the same threads as the streaming launch: the resident grid
+// sweeps a compact window.
+extern "C" __global__ void gstride4(const uint4* __restrict__ x, uint4* __restrict__ y, long long n, int hu) {
+  long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, step = (long long)gridDim.x * blockDim.x;
+  for (long long i = i0; i < n; i += 4 * step) {
+    uint4 a[4], b[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { long long g = i + j * step; if (g < n) { long long r = g / hu; int u = (int)(g % hu);
+      a[j] = x[r * 2 * hu + u]; b[j] = x[r * 2 * hu + u + hu]; } }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) { long long g = i + j * step; if (g < n) { long long r = g / hu; int u = (int)(g % hu);
+      y[r * 2 * hu + u] = a[j]; y[r * 2 * hu + u + hu] = b[j]; } }
+  }
+}
+// Tokens in a persistent loop: a block of (heads x units) threads takes token b, b + G, ... and
+// each thread its (head, unit) of it; the resident grid sweeps a compact window of tokens.
+extern "C" __global__ void tokloop(const uint4* __restrict__ x, uint4* __restrict__ y, long long tok, int heads, int hu) {
+  int per = heads * hu;  // threads per token
+  int tpb = blockDim.x / per;  // tokens per block step
+  int lt = threadIdx.x / per, w = threadIdx.x % per; int h = w / hu, u = w % hu;
+  if (lt >= tpb) return;
+  const long long rs = 2 * hu;
+  for (long long t0 = (long long)blockIdx.x * tpb; t0 < tok; t0 += 2LL * gridDim.x * tpb) {
+    long long t1 = t0 + (long long)gridDim.x * tpb;
+    uint4 a0, b0, a1, b1; bool l0 = t0 + lt < tok, l1 = t1 + lt < tok;
+    if (l0) { const uint4* p = x + ((t0 + lt) * heads + h) * rs + u; a0 = p[0]; b0 = p[hu]; }
+    if (l1) { const uint4* p = x + ((t1 + lt) * heads + h) * rs + u; a1 = p[0]; b1 = p[hu]; }
+    if (l0) { uint4* q = y + ((t0 + lt) * heads + h) * rs + u; q[0] = a0; q[hu] = b0; }
+    if (l1) { uint4* q = y + ((t1 + lt) * heads + h) * rs + u; q[0] = a1; q[hu] = b1; }
+  }
+}
+
+#include <cuda_bf16.h>
+// ---- rope variants (bf16, neox, d = 128: 8 units of 8 pairs; pos = (t / pdiv) % S)
+__device__ __forceinline__ void rot8(uint4& a, uint4& b, const float* c, const float* s) {
+  unsigned* pa = reinterpret_cast<unsigned*>(&a); unsigned* pb = reinterpret_cast<unsigned*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float x0 = __uint_as_float(pa[i] << 16), x1 = __uint_as_float(pa[i] & 0xffff0000u);
+    float y0 = __uint_as_float(pb[i] << 16), y1 = __uint_as_float(pb[i] & 0xffff0000u);
+    float o0 = x0 * c[2*i] - y0 * s[2*i], o1 = x1 * c[2*i+1] - y1 * s[2*i+1];
+    float q0 = y0 * c[2*i] + x0 * s[2*i], q1 = y1 * c[2*i+1] + x1 * s[2*i+1];
+    __nv_bfloat162 ho = __floats2bfloat162_rn(o0, o1), hq = __floats2bfloat162_rn(q0, q1);
+    pa[i] = *reinterpret_cast<unsigned*>(&ho); pb[i] = *reinterpret_cast<unsigned*>(&hq);
+  }
+}
+extern "C" __global__ void cs_table(const float* __restrict__ f, float2* __restrict__ cs, int S) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= S * 64) return;
+  float s, c; sincosf(f[(i / 64) * 128 + i % 64], &s, &c); cs[i] = make_float2(c, s);
+}
+// MODE 0: 8 sincosf per thread; 1: cos/sin table; 2: block-shared sincosf (threads w < 64 of each
+// token compute pair w); 3: warp-shared (a warp's 4 rows are one token: 2 sincosf per lane)
+template <int MODE>
+__device__ void lin_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
+                         const float2* __restrict__ cs, long long tok, int H, int pdiv, int S) {
+  __shared__ float2 sh[512];
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  int u = (int)(i & 7); long long r = i >> 3; long long t = r / H;
+  bool live = t < tok;
+  uint4 a, b;
+  const long long off = r * 16 + u;
+  if (live) { a = x[off]; b = x[off + 8]; }
+  int pos = (int)((t / pdiv) % S);
+  float c[8], s[8];
+  if (MODE == 0) {
+    if (!live) return;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &s[e], &c[e]);
+  } else if (MODE == 1) {
+    if (!live) return;
+    const float4* p = reinterpret_cast<const float4*>(cs + pos * 64 + u * 8);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { float4 v = p[e]; c[2*e] = v.x; s[2*e] = v.y; c[2*e+1] = v.z; s[2*e+1] = v.w; }
+  } else if (MODE == 2) {
+    int w = threadIdx.x % (H * 8), base = threadIdx.x - w;
+    if (w < 64 && live) { float sv, cv; sincosf(f[pos * 128 + w], &sv, &cv); sh[base + w] = make_float2(cv, sv); }
+    __syncthreads();
+    if (!live) return;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { float2 v = sh[base + u * 8 + e]; c[e] = v.x; s[e] = v.y; }
+  } else {
+    int lane = threadIdx.x & 31, wb = threadIdx.x - lane;
+    if (live) {
+      float sv, cv;
+      sincosf(f[pos * 128 + lane], &sv, &cv); sh[wb * 2 + lane] = make_float2(cv, sv);
+      sincosf(f[pos * 128 + lane + 32], &sv, &cv); sh[wb * 2 + lane + 32] = make_float2(cv, sv);
+    }
+    __syncwarp();
+    if (!live) return;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { float2 v = sh[wb * 2 + u * 8 + e]; c[e] = v.x; s[e] = v.y; }
+  }
+  rot8(a, b, c, s);
+  y[off] = a; y[off + 8] = b;
+}
+extern "C" __global__ void lin_sincos(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<0>(x, y, f, cs, tok, H, pdiv, S); }
+extern "C" __global__ void lin_cs(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<1>(x, y, f, cs, tok, H, pdiv, S); }
+extern "C" __global__ void lin_share(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<2>(x, y, f, cs, tok, H, pdiv, S); }
+extern "C" __global__ void lin_warp(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<3>(x, y, f, cs, tok, H, pdiv, S); }
+
+// R rows per thread: heads c, c + H/R, ... of one token (lanes: unit fastest, then c), all loads
+// up front, the unit's 8 sincosf once for the R rows.
+template <int R>
+__device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
+                          long long tok, int H, int pdiv, int S) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int C = H / R;
+  int u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); long long t = rest / C;
+  if (t >= tok) return;
+  uint4 a[R], b[R];
+  const long long base = (t * H + c) * 16 + u, step = (long long)C * 16;
+#pragma unroll
+  for (int j = 0; j < R; ++j) { a[j] = x[base + j * step]; b[j] = x[base + j * step + 8]; }
+  int pos = (int)((t / pdiv) % S);
+  float cc[8], ss[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &ss[e], &cc[e]);
+#pragma unroll
+  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+}
+extern "C" __global__ void rows2(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows4(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows8(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<8>(x, y, f, tok, H, pdiv, S); }
+"""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rope", action="store_true", help="also rope variants (d = 128 only)")
+    ap.add_argument("--positions", type=int, default=4096, help="angle table rows S")
+    ap.add_argument("--pdiv", type=int, default=2, help="position of token t: (t // pdiv) %% S (sbhd: b; bshd: 1)")
+    ap.add_argument("--tune", default="", help="the library's tuning, as benchmarks/run.py --tune takes it")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    if a.tune:
+        from cupy_rope._dev.benchmark import apply_tuning
+
+        apply_tuning(a.tune, ap)
+    import cupy as cp
+
+    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=None)
+    tok, heads, d = a.tokens, a.heads, a.d
+    hu = d // 16  # 16-byte vectors (bf16) per half row
+    x = cp.random.randint(0, 2**16, size=(tok, heads, d), dtype=cp.uint16)
+    y = cp.empty_like(x)
+    rows = tok * heads
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    nbytes = 2 * x.nbytes
+    i64, i32 = cp.int64, cp.int32
+
+    def chunks(tps):
+        return max(1, min(heads, -(-sms * tps // (tok * hu))))
+
+    variants = {
+        "memcpy": lambda: cp.cuda.runtime.memcpyAsync(y.data.ptr, x.data.ptr, x.nbytes, 3, cp.cuda.get_current_stream().ptr),
+        "lin (one unit per thread)": lambda: mod.get_function("lin")(((rows * hu + 255) // 256,), (256,), (x, y, i64(rows), i32(hu))),
+    }
+    for tps in (512, 1024):
+        C = chunks(tps)
+        n = tok * C * hu
+        for contig in (0, 1):
+            variants[f"stream4 {tps}/SM C={C} {'contiguous heads' if contig else 'heads c, c+C'}"] = (
+                lambda n=n, C=C, contig=contig: mod.get_function("stream4")(
+                    ((n + 255) // 256,), (256,), (x, y, i64(tok), i32(heads), i32(C), i32(hu), i32(contig))))
+        variants[f"gstride4 {tps}/SM"] = (lambda tps=tps: mod.get_function("gstride4")(
+            (sms * tps // 256,), (256,), (x, y, i64(rows * hu), i32(hu))))
+        variants[f"tokloop {tps}/SM"] = (lambda tps=tps: mod.get_function("tokloop")(
+            (sms * tps // 256,), (256,), (x, y, i64(tok), i32(heads), i32(hu))))
+
+    check = {}
+    if a.rope:
+        import torch
+
+        import cupy_rope
+        import cupy_rope.torch as crt
+
+        S = a.positions
+        pdiv = a.pdiv
+        f = cp.asarray(cupy_rope.rope_freqs(d, S, like=cp.empty(0, cp.float32))).reshape(S, d)
+        cs = cp.empty((S, d // 2, 2), cp.float32)
+        tokens = cp.arange(tok)
+        pos = (tokens // pdiv) % S
+        xf = (x.astype(cp.uint32) << 16).view(cp.float32).reshape(tok, heads, d)
+        ang = f[pos][:, None, :]
+        x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+        c, sn = cp.cos(ang[..., : d // 2]), cp.sin(ang[..., : d // 2])
+        ref = cp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], -1)
+        cs_fn = lambda: mod.get_function("cs_table")(((S * 64 + 255) // 256,), (256,), (f, cs, i32(S)))
+        variants["cs_table (prologue alone)"] = cs_fn
+        nblk = (rows * hu + 255) // 256
+        for name in ("lin_sincos", "lin_cs", "lin_share", "lin_warp"):
+            variants[name] = (lambda name=name: mod.get_function(name)(
+                (nblk,), (256,), (x, y, f, cs, i64(tok), i32(heads), i32(pdiv), i32(S))))
+            check[name] = True
+        for R in (2, 4, 8):
+            if heads % R == 0:
+                variants[f"rows{R}_sincos"] = (lambda R=R: mod.get_function(f"rows{R}")(
+                    ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
+                check[f"rows{R}_sincos"] = True
+        variants["cs_table + lin_cs"] = lambda: (cs_fn(), variants["lin_cs"]())
+        check["cs_table + lin_cs"] = True
+        xt = torch.from_dlpack(x).view(torch.bfloat16)
+        yt = torch.from_dlpack(y).view(torch.bfloat16)
+        ft = torch.from_dlpack(f).view(S, 1, 1, d)
+        if pdiv > 1:  # sbhd: [S, b, h, d]
+            xt4, yt4, layout = xt.view(tok // pdiv, pdiv, heads, d), yt.view(tok // pdiv, pdiv, heads, d), "sbhd"
+        else:  # bshd: [b, S, h, d]
+            xt4, yt4, layout = xt.view(tok // S, S, heads, d), yt.view(tok // S, S, heads, d), "bshd"
+        ts = torch.cuda.ExternalStream(cp.cuda.get_current_stream().ptr)
+
+        def lib():
+            with torch.cuda.stream(ts):
+                cupy_rope.apply_rope(xt4, ft, layout, out=yt4)
+        variants["cupy_rope (library)"] = lib
+        check["cupy_rope (library)"] = True
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = {}
+    graphs = {}
+    with stream:
+        if a.rope:
+            ts = torch.cuda.ExternalStream(stream.ptr)
+        for name, fn in variants.items():
+            y.fill(0)
+            fn()
+            stream.synchronize()
+            if name in check:
+                got = (y.astype(cp.uint32) << 16).view(cp.float32).reshape(tok, heads, d)
+                err = float(cp.abs(got - ref).max() / cp.abs(ref).max())
+                if err > 2 ** -7:
+                    raise SystemExit(f"{name}: wrong rotation, max rel err {err}")
+            elif not name.startswith("cs_table") and not bool((y == x).all()):
+                raise SystemExit(f"{name}: wrong copy")
+            stream.begin_capture()
+            for _ in range(a.reps):
+                fn()
+            graphs[name] = stream.end_capture()
+        for r in range(a.rounds):
+            for name, g in graphs.items():
+                g.launch(stream)
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(stream)
+                g.launch(stream)
+                e1.record(stream)
+                e1.synchronize()
+                out.setdefault(name, []).append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / a.reps)
+    base = min(out["memcpy"])
+    res = []
+    for name, v in out.items():
+        us = min(v)
+        res.append({"kernel": name, "us": us, "us_all": v, "tb_s": nbytes / us / 1e6, "vs_memcpy": base / us})
+        print(f"{name:48s} {us:8.2f} us  {nbytes / us / 1e6:5.2f} TB/s  {100 * base / us:5.1f}% of memcpy")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"shape": [tok, heads, d], "reps": a.reps, "rounds": a.rounds, "rows": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
