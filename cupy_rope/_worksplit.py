@@ -189,7 +189,7 @@ def _vec_arrays(*arrays):
 
 def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int = 0):
     """(block values, threads) of one tensor of a rope launch; ``rows_per_thread``: the chunks
-    that give each thread at most that many rows (the two-row kernels) instead of the work split's."""
+    that give each thread at most that many rows (the two-row kernel) instead of the work split's."""
     n_tok, n_inner, _ = split_tokens(plan.layout, x.shape)
     xs0, xs1 = token_strides(plan.layout, x)
     ys0, ys1 = token_strides(plan.layout, y)

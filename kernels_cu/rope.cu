@@ -90,6 +90,15 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
   stream_unit<T, V, INTERLEAVED, BACKWARD, MIXED>(pair, cnt, rows, init, cb0, cb1);
 }
 
+// f(j) for the rows j < cnt of a thread that holds at most R.
+template <int R, class F>
+__device__ __forceinline__ void for_rows(int cnt, F f) {
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    if (R == 1 || j < cnt) f(j);
+  }
+}
+
 // One row per thread: the launches whose work split gives every thread a single row (C = n_heads:
 // decode steps and other small calls; the launch layer picks this kernel then). rope_body's
 // arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
@@ -115,15 +124,6 @@ __device__ __forceinline__ void rope_body(const RopeParams& p) {
 // lies in one token and one block. A pair whose two angles differ is written as a NaN cosine;
 // a thread that reads one (or a NaN from a NaN or infinite angle) computes its unit itself, as
 // without sharing.
-// f(j) for the rows j < cnt of a thread that holds at most R.
-template <int R, class F>
-__device__ __forceinline__ void for_rows(int cnt, F f) {
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    if (R == 1 || j < cnt) f(j);
-  }
-}
-
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE, int R = 1>
 __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   // rope_body's (tok, c, u, outer, inner) in 32 bits by multiply and shift (the launch layer runs
