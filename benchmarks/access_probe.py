@@ -7,7 +7,14 @@ window? Each kernel copies the same bytes of a ``[tokens, heads, d]`` bf16 tenso
 vectors, two per thread and row (the rope unit: vectors u and u + d/16), and the result is
 checked. Prints device us per kernel (CUDA events over a CUDA-graph of ``--reps`` launches).
 
+``--rope`` (d = 128): also rotations in the same tensors written lean, in the peers' shape (one or
+R rows of a token per thread, cos/sin computed per thread, shared in a block or a warp, or read
+from a float32 cos/sin table made by a separate kernel), and cupy_rope's own call on them (as the
+library's split picks; ``--tune`` as ``benchmarks/run.py`` takes it), each checked against a
+float32 rotation. Results and what they say: ``benchmarks/NOTES.md`` (sixteenth session).
+
     python benchmarks/access_probe.py [--tokens 8192 --heads 32 --d 128] [--json F]
+    python benchmarks/access_probe.py --rope [--tokens 16384 --heads 8 --positions 8192 --pdiv 1]
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import argparse
 import json
 
 SRC = r"""
-typedef unsigned long long u64;
 extern "C" __global__ void lin(const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int hu) {
   // one unit of one row per thread, units fastest: a compact window
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -190,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--tune", default="", help="the library's tuning, as benchmarks/run.py --tune takes it")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.rope and a.d != 128:
+        ap.error(f"--rope: the rope kernels take d = 128, got --d {a.d}")
     if a.tune:
         from cupy_rope._dev.benchmark import apply_tuning
 

@@ -16,14 +16,16 @@
 
 #define CUPY_ROPE_SHARED static thread_local
 
-// Threads of a one-row launch whose shared cos/sin it could not use (a pair of two angles in its
-// unit; rope.cu): counted here so that the tests see sharing happen where it should (on the
-// device the count is not kept).
-static long long cupy_rope_unshared = 0;
-#define CUPY_ROPE_COUNT_UNSHARED() (++cupy_rope_unshared)
-extern "C" long long cupy_rope_unshared_count(int reset) {
-  const long long n = cupy_rope_unshared;
-  if (reset) cupy_rope_unshared = 0;
+// Counted here so that the tests see each path taken where it should be (on the device the
+// counts are not kept): [0] threads of a one-row launch whose shared cos/sin they could not use
+// (a pair of two angles in their unit; rope.cu), [1] rows rotated with cos/sin computed for the
+// row alone (rotate_fresh: a unit with a pair of two angles) rather than held for the unit.
+static long long cupy_rope_counts[2] = {0, 0};
+#define CUPY_ROPE_COUNT_UNSHARED() (++cupy_rope_counts[0])
+#define CUPY_ROPE_COUNT_FRESH() (++cupy_rope_counts[1])
+extern "C" long long cupy_rope_count(int which, int reset) {
+  const long long n = cupy_rope_counts[which];
+  if (reset) cupy_rope_counts[which] = 0;
   return n;
 }
 

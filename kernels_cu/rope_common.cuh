@@ -252,6 +252,10 @@ __device__ __forceinline__ bool exchange_barrier(bool sync) {
 #ifndef CUPY_ROPE_COUNT_UNSHARED
 #define CUPY_ROPE_COUNT_UNSHARED()
 #endif
+// A row rotated by rotate_fresh: counted by the host build for its tests.
+#ifndef CUPY_ROPE_COUNT_FRESH
+#define CUPY_ROPE_COUNT_FRESH()
+#endif
 
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
@@ -359,6 +363,7 @@ template <typename T> struct OutRow {
 // registers and does not lower the streaming loop's occupancy.
 template <int V, bool INTERLEAVED, bool BACKWARD>
 __device__ __forceinline__ void rotate_fresh(float* x, const float* __restrict__ trow, i64 c0, i64 c1, i64 scol) {
+  CUPY_ROPE_COUNT_FRESH();
   float xs[2 * V];
 #pragma unroll
   for (int e = 0; e < 2 * V; ++e) xs[e] = x[e];

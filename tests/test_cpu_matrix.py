@@ -167,7 +167,8 @@ def test_one_row_shared_sincos(dtype, interleaved, backward, monkeypatch):
     outside it, its columns strided: the result equals the unshared launch's bit for bit and the
     reference; a table with NaN and infinite angles: equal to the unshared launch. The host build
     counts the threads that could not use the shared cos/sin: exactly those of units with a pair
-    of two angles."""
+    of two angles; and the rows rotated with cos/sin of their own (``rotate_fresh``), shared or
+    not: exactly those (a NaN angle included), every other unit with the cos/sin it holds."""
     rng = np.random.default_rng(21)
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread
     monkeypatch.setattr(_worksplit, "_NARROW_THREADS_PER_SM", 10**9)
@@ -206,13 +207,17 @@ def test_one_row_shared_sincos(dtype, interleaved, backward, monkeypatch):
             f, g = np.array(pairs(d, interleaved)).T
             bad = ~(t[:, f] == t[:, g]) | ~np.isfinite(t[:, f])
             unshared = int(bad.reshape(len(t), -1, v).any(-1).sum()) * (8 + 2 * shares[1])
+            # rows rotated by rotate_fresh: units with a pair of two angles (NaN != NaN), all heads
+            fresh = int((t[:, f] != t[:, g]).reshape(len(t), -1, v).any(-1).sum()) * (8 + 2)
             got = {}
             _hostkernels.unshared_count()
+            _hostkernels.fresh_count()
             for share in (True, False):
                 monkeypatch.setattr(_worksplit, "_SHARE_SINCOS", share)
                 outs = tuple(np.full(a.shape, np.nan, a.dtype) for a in (q, k))
                 got[share] = _hostkernels.run_rope_qk(plans, q, k, table, None, sp, outs)
                 assert _hostkernels.unshared_count() == (unshared if share else 0), (v, share)
+                assert _hostkernels.fresh_count() == fresh, (v, share)
             for a, b in zip(got[True], got[False]):
                 np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32), err_msg=f"v{v}")
             if table is clean:

@@ -74,14 +74,20 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     for n in names:
         getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
-    lib.cupy_rope_unshared_count.argtypes, lib.cupy_rope_unshared_count.restype = [ctypes.c_int], ctypes.c_longlong
+    lib.cupy_rope_count.argtypes, lib.cupy_rope_count.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_longlong
     return lib
 
 
 def unshared_count(reset: bool = True) -> int:
     """Threads of one-row launches since the last reset that shared their token's sincosf but
     could not use it (a pair of two angles in their unit: they computed their own)."""
-    return library().cupy_rope_unshared_count(int(reset))
+    return library().cupy_rope_count(0, int(reset))
+
+
+def fresh_count(reset: bool = True) -> int:
+    """Rows since the last reset rotated with cos/sin computed for the row alone (``rotate_fresh``:
+    a unit with a pair of two angles) rather than with the cos/sin its thread holds for the unit."""
+    return library().cupy_rope_count(1, int(reset))
 
 
 def _nvrtc_options(arch: str, defines=()) -> list:
