@@ -23,8 +23,10 @@ from pathlib import Path
 KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropem": "CUPY_ROPEM_KERNEL", "rope1": "CUPY_ROPE1_KERNEL",
          "rope1c": "CUPY_ROPE1C_KERNEL", "rope2c": "CUPY_ROPE2C_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
 ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c", "rope2c")  # the kernels of a rope launch (RopeParams, two blocks)
-MIXED_BYTES = 16  # the only vector size of the ropem kernels (their loop streams the shared-memory ring)
-WIDE_KINDS = ("ropem", "rope2c")  # kinds instantiated for MIXED_BYTES-byte vectors only
+# The kinds instantiated for MIXED_BYTES-byte vectors only: ropem (its loop streams the shared-memory
+# ring) and rope2c (large launches, which take 16-byte vectors wherever the arrays allow them).
+MIXED_BYTES = 16
+WIDE_KINDS = ("ropem", "rope2c")
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}

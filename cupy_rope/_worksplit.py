@@ -198,8 +198,8 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int 
                                                          vec, sm_count, odd_units=True)
     block = 0
     if rows_per_thread:  # the two-row kernel's split, in blocks of _kernels.BLOCK
-        per_chunk, chunks = threads // chunks, -(-plan.heads // rows_per_thread)
-        threads, block = per_chunk * chunks, _kernels.BLOCK
+        chunks, block = -(-plan.heads // rows_per_thread), _kernels.BLOCK
+        threads = n_tok * chunks * n_units
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
                 xs0=xs0, xs1=xs1, xsh=xst[-2], xsd=xst[-1], ys0=ys0, ys1=ys1, ysh=yst[-2], ysd=yst[-1],
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
