@@ -20,8 +20,9 @@ Modes: torch eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead"
 compiled, the compiled layer reused by every layer: regional compilation), JAX ``jit``; kinds:
 ``infer`` (forward, no grad) and ``train`` (forward + backward of a scalar loss, gradients of the
 weights and the input). Time per step: median over rounds of back-to-back steps, one
-synchronisation per round; the variants' rounds interleaved, so that the host's speed, which
-sets the time of host-bound steps, drifts alike for all.
+synchronisation per round, Python's garbage collector off while a round runs; the variants'
+rounds interleaved, so that the host's speed, which sets the time of host-bound steps, drifts
+alike for all. Each variant's layer is its own code object, compiled as if it were the only one.
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
 bf16 with offsets, against the formula in the same framework and mode (their rounds interleaved),
@@ -36,6 +37,7 @@ block.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -58,22 +60,32 @@ VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"), "jax": ("formu
 DEVICE = "cuda"  # torch models' device (a CPU run is a smoke test of the code, not a benchmark)
 KINDS = ("infer", "train")
 MAX_POS = 4096
+PROBE_ROPES: dict = {}  # more torch variants: name -> f(freqs, start_positions) -> rope(q, k) -> (q, k)
 
 
 def _per_call(fn, sync, calls, rounds, warm=3):
     """Median seconds per call over ``rounds`` rounds of ``calls`` back-to-back calls, one
-    synchronisation per round."""
+    synchronisation per round; Python's cyclic garbage collector off while they run (as
+    ``timeit`` does: a collection that lands in one variant's round otherwise moved host-bound
+    steps apart between variants, benchmarks/NOTES.md)."""
     if warm:
         for _ in range(warm):
             last = fn()
         sync(last)
     res = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            last = fn()
-        sync(last)
-        res.append((time.perf_counter() - t) / calls)
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for _ in range(calls):
+                last = fn()
+            sync(last)
+            res.append((time.perf_counter() - t) / calls)
+    finally:
+        if was_on:
+            gc.enable()
     return float(np.median(res))
 
 
@@ -126,6 +138,8 @@ def _torch_model(cfg, variant, seed=0):
         return crt.apply_rope_qk(q, k, freqs, "bshd", start_positions=sp)
 
     rope = {"formula": rope_formula, "cupy_rope": rope_ours}.get(variant)
+    if variant in PROBE_ROPES:  # a development probe's variant (benchmarks/overhead_probe.py)
+        rope = PROBE_ROPES[variant](freqs, sp)
     if variant == "cupy_rope_cache":  # the serving form: per-token positions, a bf16 cos/sin cache
         cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, dtype="bfloat16", like=torch.empty(0, device=dev))
         pos_ids = positions.contiguous()  # [b, s] int64
@@ -160,6 +174,12 @@ def _torch_step(cfg, variant, mode, kind, reset=True):
     layer, weights, x = _torch_model(cfg, variant)
     if mode != "eager" and reset:
         torch._dynamo.reset()  # compiles afresh: no recompile-limit carry-over
+    # One code object per variant: torch.compile keeps its compiled code, and its decisions on
+    # which input sizes are dynamic, per code object. The variants of a row are compiled in one
+    # process from one `def layer`: sharing it, each later variant was a recompile of the first
+    # (its calls also checking the guards of the other variants' entries) and could be compiled
+    # with dynamic sizes, which a model holding one variant never is.
+    layer.__code__ = layer.__code__.replace(co_name=f"layer_{variant}")
     if mode == "compile":
         layer = torch.compile(layer, fullgraph=True)
     elif mode == "reduce-overhead":

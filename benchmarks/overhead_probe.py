@@ -1,10 +1,13 @@
 """Where the host time of a call goes (a development probe, not a benchmark of record).
 
-    python benchmarks/overhead_probe.py [micro,dispatch,cprofile,model]
+    python benchmarks/overhead_probe.py [micro,dispatch,cprofile,model,split]
 
 micro: the pieces of an eager call at the decode shape; dispatch: a dispatcher trip into a Python
 kernel by schema; cprofile: the eager hot paths; model: torch.profiler tables of the model
-benchmark's compiled steps (PROBE_MODES, PROBE_KINDS, PROBE_CONFIGS), with the CUDA-graph-tree log.
+benchmark's compiled steps (PROBE_MODES, PROBE_KINDS, PROBE_CONFIGS), with the CUDA-graph-tree log;
+split: the model's steps timed as host enqueue and whole step, with two more variants: cupy_rope's
+op called directly and an opaque no-op custom op (same environment variables, PROBE_ROUNDS, and
+PROBE_CPROFILE=1 for cProfile tables; not in the default list).
 """
 from __future__ import annotations
 
@@ -145,3 +148,68 @@ if "model" in what:
             ka = prof.key_averages()
             print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=70))
             print(ka.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=70))
+
+if "split" in what:
+    # The compiled steps split into host enqueue time (the step returns) and the whole step (then
+    # synchronised), per variant, their rounds interleaved.
+    print("== split (ms per step: enqueue, step+sync, 10 back-to-back)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import model as M
+
+    @torch.library.custom_op("probe::noop_qk", mutates_args=())
+    def _noop_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+    @_noop_qk.register_fake
+    def _(q, k):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+    _IMPL = torch.ops.cupy_rope._rope_qk_impl.default
+    # the op called directly (no cupy_rope Python traced), and an opaque no-op op (any custom op's cost)
+    M.PROBE_ROPES.update(op_direct=lambda f, sp: lambda q, k: _IMPL(q, k, f, "bshd", False, None, sp, 1, 0, False),
+                         noop=lambda f, sp: lambda q, k: _noop_qk(q, k))
+    for cfg, mode, kind in itertools.product(os.environ.get("PROBE_CONFIGS", "decode").split(","),
+                                             os.environ.get("PROBE_MODES", "compile").split(","),
+                                             os.environ.get("PROBE_KINDS", "infer").split(",")):
+        torch._dynamo.reset()
+        steps = {}
+        for variant in (*M.VARIANTS["torch"], *M.PROBE_ROPES):
+            steps[variant], _ = M._torch_step(M.CONFIGS[cfg], variant, mode, kind, reset=False)
+            for _ in range(5):
+                steps[variant]()
+        torch.cuda.synchronize()
+        res = {v: ([], [], []) for v in steps}
+        if os.environ.get("PROBE_NO_GC"):
+            import gc
+
+            gc.collect()
+            gc.disable()
+        for r in range(int(os.environ.get("PROBE_ROUNDS", "15"))):
+            for v in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                t0 = time.perf_counter()
+                steps[v]()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                for _ in range(10):
+                    steps[v]()
+                torch.cuda.synchronize()
+                t3 = time.perf_counter()
+                for lst, val in zip(res[v], (t1 - t0, t2 - t0, (t3 - t2) / 10)):
+                    lst.append(val * 1e3)
+        for v, (enq, one, ten) in res.items():
+            print(f"{cfg} {mode} {kind} {v:10s} enqueue {np.median(enq):.3f}  step+sync {np.median(one):.3f}  "
+                  f"back-to-back {np.median(ten):.3f}", flush=True)
+        if os.environ.get("PROBE_CPROFILE"):  # the Python functions of 20 steps of each variant
+            import cProfile
+            import pstats
+
+            for v, fn in steps.items():
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(20):
+                    fn()
+                pr.disable()
+                torch.cuda.synchronize()
+                print(f"---- cProfile {cfg} {mode} {kind} {v}: 20 steps")
+                pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
