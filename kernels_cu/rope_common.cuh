@@ -35,10 +35,16 @@ __device__ __forceinline__ Vec<T, V> vec_of(const uint4& q) {
   return r;
 }
 
+// The host build counts vector accesses at misaligned addresses (host_shim.h); none on the device.
+#ifndef CUPY_ROPE_CHECK_ALIGN
+#define CUPY_ROPE_CHECK_ALIGN(p, n)
+#endif
+
 // Load/store V elements at p. V > 1 is only chosen by the host when the channel stride is 1
 // and every row address is aligned to the vector size; V == 1 honours any stride.
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
+  CUPY_ROPE_CHECK_ALIGN(p, (Vec<T, V>::kBytes));
   Vec<T, V> r;
   if constexpr (Vec<T, V>::kBytes == 16) {
     r = vec_of<T, V>(*reinterpret_cast<const uint4*>(p));
@@ -55,6 +61,7 @@ __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
 
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, V>& r) {
+  CUPY_ROPE_CHECK_ALIGN(p, (Vec<T, V>::kBytes));
   if constexpr (Vec<T, V>::kBytes == 16) {
 #if defined(__CUDA_ARCH__)  // one 16-byte store (the compiler otherwise sometimes splits it)
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
@@ -256,6 +263,10 @@ __device__ __forceinline__ bool exchange_barrier(bool sync) {
 #ifndef CUPY_ROPE_COUNT_FRESH
 #define CUPY_ROPE_COUNT_FRESH()
 #endif
+// A unit's cos/sin loaded from a cache as whole vectors: counted by the host build for its tests.
+#ifndef CUPY_ROPE_COUNT_CACHE_VEC
+#define CUPY_ROPE_COUNT_CACHE_VEC()
+#endif
 
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {
@@ -414,11 +425,38 @@ __device__ __forceinline__ float table_value(i64 kind, i64 addr, i64 i) {
   }
 }
 
+// Whole 16-byte loads of a cache's cos/sin runs where they are contiguous and aligned (below);
+// 0: one load per value everywhere (a tuning define, benchmarks/NOTES.md).
+#ifndef CUPY_ROPE_CACHE_VEC
+#define CUPY_ROPE_CACHE_VEC 1
+#endif
+
 // The cos/sin of pairs i0 .. i0 + V - 1 from a cos/sin cache (kinds 1-2), row at element `row`:
-// cos of pair i in column i, sin in column h2 + i (column stride scol).
+// cos of pair i in column i, sin in column h2 + i (column stride scol). With 16-byte element
+// vectors, where the columns are contiguous (scol 1) and both runs start on 16 bytes (the rows of
+// a cache from rope_cos_sin_cache), the runs come in whole 16-byte loads: one each from a cache in
+// the tensors' 16-bit dtype, two from a float32 cache; otherwise one load per value.
 template <typename T, int V>
 __device__ __forceinline__ void cache_sincos(i64 kind, i64 addr, i64 row, i64 scol, i64 h2, i64 i0,
                                              float* cm, float* sm) {
+  if constexpr (CUPY_ROPE_CACHE_VEC && Vec<T, V>::kBytes == 16) {
+    const bool f32 = sizeof(T) == 4 || kind == kCosSin32;
+    const i64 esz = f32 ? 4 : 2, ca = addr + (row + i0) * esz, sa = addr + (row + h2 + i0) * esz;
+    if (scol == 1 && ((ca | sa) & 15) == 0) {
+      CUPY_ROPE_COUNT_CACHE_VEC();
+      if (f32) {
+#pragma unroll
+        for (int q = 0; q < V / 4; ++q) {
+          to_floats<float, 4>(load_vec<float, 4>(reinterpret_cast<const float*>(ca) + 4 * q), cm + 4 * q);
+          to_floats<float, 4>(load_vec<float, 4>(reinterpret_cast<const float*>(sa) + 4 * q), sm + 4 * q);
+        }
+      } else {
+        to_floats<T, V>(load_vec<T, V>(reinterpret_cast<const T*>(ca)), cm);
+        to_floats<T, V>(load_vec<T, V>(reinterpret_cast<const T*>(sa)), sm);
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int m = 0; m < V; ++m) {
     cm[m] = table_value<T>(kind, addr, row + (i0 + m) * scol);

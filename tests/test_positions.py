@@ -42,11 +42,15 @@ class PosCase:
         self.rows = int(r.integers(1, 40))
         self.pos_dtype = ["int32", "int64"][r.integers(2)]
         self.pos_stride = int(r.integers(1, 3))
+        # 2-D tables: dense, a view whose rows start one element past a 16-byte boundary, or
+        # every other column of a wider array (caches: the kernels' vector loads only for dense rows)
+        self.table_view = ["dense", "offset", "strided"][r.choice(3, p=[0.5, 0.25, 0.25])]
         self.rng = r
 
     def __repr__(self):
         return (f"seed{self.seed}-{self.dtype}-{self.kind}-{'il' if self.interleaved else 'nx'}"
-                f"{'-inv' if self.inverse else ''}-{self.style}-d{self.d}x{self.d2}@{self.off}-tok{self.tok}")
+                f"{'-inv' if self.inverse else ''}-{self.style}-d{self.d}x{self.d2}@{self.off}-tok{self.tok}"
+                f"{'' if self.table_view == 'dense' else '-table_' + self.table_view}")
 
     def arrays(self):
         """(positions, q, k, {table name: table}, head_size, table kind, rows) as NumPy arrays;
@@ -84,6 +88,11 @@ class PosCase:
             table = 10000.0 ** -(np.arange(0, d2, 2) / d2) * r.uniform(0.5, 2)
             table = table.astype(np.float64 if self.kind == "inv64" else np.float32)
             name, kind, rows = "inv_freq", "inv_freq", _plan.INV_FREQ_ROWS
+        if table.ndim == 2 and self.table_view != "dense":
+            wide = np.full((table.shape[0], 2 * table.shape[1] + 1), np.nan, table.dtype)
+            view = wide[:, 1: 1 + table.shape[1]] if self.table_view == "offset" else wide[:, 1::2]
+            view[...] = table
+            table = view
         return pos, q, (k if self.with_k else None), {name: table}, head_size, kind, rows
 
     def check(self, pos, q, k, tables, kind, rows, qo, ko, head_size):
@@ -152,14 +161,26 @@ def test_host_kernels(case, kernel, monkeypatch):
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     pos, q, k, tables, hs, kind, rows = case.arrays()
+    hostkernels.cache_vector_count()  # reset
     outs = _run_host(case, pos, q, k, tables, hs)
     case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
                None if k is None else outs[1].reshape(k.shape), hs)
     streaming = ("rope_", "ropem_")  # ropem: rows with pass-through channels, 16-byte vectors
     want = {"angles": "rope1_", "cos_sin": "rope1c_"}.get(kind, streaming) if kernel == "one_row" else streaming
-    if kernel == "two_rows" and kind in ("cos_sin", "cos_sin_t") and names and names[0].split("_")[2] == "v%d" % (16 // q.itemsize):
+    vec16 = bool(names) and names[0].split("_")[2] == "v%d" % (16 // q.itemsize)
+    if kernel == "two_rows" and kind == "cos_sin" and vec16:
         want = "rope2c_"
     assert all(n.startswith(want) for n in names), (kind, names)
+    # a cache's cos/sin runs in whole 16-byte loads: only with 16-byte element vectors and
+    # contiguous columns; a dense cache whose half rows are whole vectors gives them to its
+    # first unit at least, wherever a position falls in the table
+    vectors = hostkernels.cache_vector_count()
+    esz = 4 if case.kind == "cos_sin" or q.itemsize == 4 else 2
+    p = np.asarray(pos).astype(np.int64)
+    if kind != "cos_sin" or case.table_view == "strided" or not vec16:
+        assert vectors == 0
+    elif case.table_view == "dense" and case.d2 // 2 * esz % 16 == 0 and ((p >= 0) & (p < rows)).any():
+        assert vectors > 0
 
 
 def _run_host(case, pos, q, k, tables, hs):

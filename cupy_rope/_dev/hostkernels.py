@@ -90,6 +90,12 @@ def fresh_count(reset: bool = True) -> int:
     return library().cupy_rope_count(1, int(reset))
 
 
+def cache_vector_count(reset: bool = True) -> int:
+    """Units since the last reset whose cos/sin came from a cache in whole 16-byte loads (rows
+    with contiguous, aligned columns) rather than one load per value."""
+    return library().cupy_rope_count(3, int(reset))
+
+
 def _nvrtc_options(arch: str, defines=()) -> list:
     import cuda.pathfinder as pf
 
@@ -132,8 +138,15 @@ def nvrtc_cubin(arch: str = "sm_90") -> bytes:
 
 
 def launch(name: str, grid: tuple, block: int, params: bytes) -> None:
-    """Run kernel ``name`` over ``grid`` = (x, y) blocks of ``block`` threads on the CPU."""
-    getattr(library(), name)(grid[0], grid[1], block, params)
+    """Run kernel ``name`` over ``grid`` = (x, y) blocks of ``block`` threads on the CPU. Raises
+    ``RuntimeError`` where a vector load or store met an address that is not a multiple of its
+    size (on the GPU a misaligned address error; the CPU would carry on)."""
+    lib = library()
+    lib.cupy_rope_count(2, 1)
+    getattr(lib, name)(grid[0], grid[1], block, params)
+    misaligned = lib.cupy_rope_count(2, 1)
+    if misaligned:
+        raise RuntimeError(f"host build: {name} made {misaligned} vector accesses at misaligned addresses")
 
 
 # ----------------------------------------------------------------------------- guarded memory
