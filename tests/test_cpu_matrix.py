@@ -323,3 +323,28 @@ def test_odd_units_split(dtype, monkeypatch):
             out = np.full(x.shape, np.nan, dtype=x.dtype)
             y = _hostkernels.run_rope(plan, x, f, out=out)
             assert_close_to_ref(y, rope_ref(x, f, backward=backward, **kw), x, 80, dtype, f"odd units {dtype}")
+
+
+@pytest.mark.parametrize("misaligned", ["input", "output"])
+def test_host_build_raises_on_misaligned_vectors(misaligned, monkeypatch):
+    """The host build faults like the GPU on a vector load or store at an address that is not a
+    multiple of its size: a one-row launch forced to 16-byte vectors (the plan would choose
+    single elements) whose input, or output, has rows off the 16-byte grid raises; the same
+    call with the plan's own width runs and is right."""
+    rng = np.random.default_rng(3)
+    wide = rng.uniform(-2, 2, (4, 2, 3, 129)).astype(np.float32)
+    x = np.ascontiguousarray(wide[..., :128]) if misaligned == "output" else wide[..., 1:]
+    freqs = rng.uniform(-5, 5, (4, 1, 1, 128)).astype(np.float32)
+    plan = _plan.resolve_rope(info(x), info(freqs), "sbhd", False, None, None, 1, 0, None, False)
+
+    def out():
+        if misaligned == "output":
+            return np.full((4, 2, 3, 129), np.nan, np.float32)[..., 1:]
+        return np.full((4, 2, 3, 128), np.nan, np.float32)
+
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread: x read by load_vec
+    y = _hostkernels.run_rope(plan, x, freqs, out=out())
+    assert_close_to_ref(y, rope_ref(x, freqs), x, 128, "float32", misaligned)
+    monkeypatch.setattr(_worksplit, "pick_vec", lambda *a, **k: 4)
+    with pytest.raises(RuntimeError, match="misaligned"):
+        _hostkernels.run_rope(plan, x, freqs, out=out())

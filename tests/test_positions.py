@@ -42,8 +42,9 @@ class PosCase:
         self.rows = int(r.integers(1, 40))
         self.pos_dtype = ["int32", "int64"][r.integers(2)]
         self.pos_stride = int(r.integers(1, 3))
-        # 2-D tables: dense, a view whose rows start one element past a 16-byte boundary, or
-        # every other column of a wider array (caches: the kernels' vector loads only for dense rows)
+        # 2-D tables: dense, a view whose rows start one element past a 16-byte boundary (most
+        # rows off the grid), or every other column of a wider array (caches: the kernels' whole
+        # 16-byte loads only where a row's columns are contiguous and on the grid)
         self.table_view = ["dense", "offset", "strided"][r.choice(3, p=[0.5, 0.25, 0.25])]
         self.rng = r
 
