@@ -35,16 +35,17 @@ __device__ __forceinline__ Vec<T, V> vec_of(const uint4& q) {
   return r;
 }
 
-// The host build counts vector accesses at misaligned addresses (host_shim.h); none on the device.
-#ifndef CUPY_ROPE_CHECK_ALIGN
-#define CUPY_ROPE_CHECK_ALIGN(p, n)
+// Whether a vector access at p of n bytes is aligned: always on the device (the launch layer
+// guarantees it); the host build checks, counts a misaligned one and skips it (host_shim.h).
+#ifndef CUPY_ROPE_ALIGNED
+#define CUPY_ROPE_ALIGNED(p, n) true
 #endif
 
 // Load/store V elements at p. V > 1 is only chosen by the host when the channel stride is 1
 // and every row address is aligned to the vector size; V == 1 honours any stride.
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
-  CUPY_ROPE_CHECK_ALIGN(p, (Vec<T, V>::kBytes));
+  if (!CUPY_ROPE_ALIGNED(p, (Vec<T, V>::kBytes))) return Vec<T, V>{};
   Vec<T, V> r;
   if constexpr (Vec<T, V>::kBytes == 16) {
     r = vec_of<T, V>(*reinterpret_cast<const uint4*>(p));
@@ -61,7 +62,7 @@ __device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p) {
 
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const Vec<T, V>& r) {
-  CUPY_ROPE_CHECK_ALIGN(p, (Vec<T, V>::kBytes));
+  if (!CUPY_ROPE_ALIGNED(p, (Vec<T, V>::kBytes))) return;
   if constexpr (Vec<T, V>::kBytes == 16) {
 #if defined(__CUDA_ARCH__)  // one 16-byte store (the compiler otherwise sometimes splits it)
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]),
@@ -553,7 +554,9 @@ __device__ __forceinline__ uint4 ring_read(RingAddr a) {
 typedef uint4* RingAddr;
 constexpr unsigned kRingWord = 1;
 inline RingAddr ring_addr(uint4* p) { return p; }
-inline void async_copy16(RingAddr dst, const void* src) { *dst = *reinterpret_cast<const uint4*>(src); }
+inline void async_copy16(RingAddr dst, const void* src) {
+  if (CUPY_ROPE_ALIGNED(src, 16)) *dst = *reinterpret_cast<const uint4*>(src);
+}
 inline uint4 ring_read(RingAddr a) { return *a; }
 #endif
 __device__ __forceinline__ void async_commit() {

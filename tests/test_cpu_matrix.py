@@ -325,12 +325,14 @@ def test_odd_units_split(dtype, monkeypatch):
             assert_close_to_ref(y, rope_ref(x, f, backward=backward, **kw), x, 80, dtype, f"odd units {dtype}")
 
 
+@pytest.mark.parametrize("kernel", ["one_row", "streaming"])
 @pytest.mark.parametrize("misaligned", ["input", "output"])
-def test_host_build_raises_on_misaligned_vectors(misaligned, monkeypatch):
+def test_host_build_raises_on_misaligned_vectors(misaligned, kernel, monkeypatch):
     """The host build faults like the GPU on a vector load or store at an address that is not a
-    multiple of its size: a one-row launch forced to 16-byte vectors (the plan would choose
-    single elements) whose input, or output, has rows off the 16-byte grid raises; the same
-    call with the plan's own width runs and is right."""
+    multiple of its size: a launch forced to 16-byte vectors (the plan would choose single
+    elements) whose input, or output, has rows off the 16-byte grid raises, on the one-row
+    kernel (loads by load_vec) and on the streaming kernel (loads by asynchronous copies into
+    its ring); the same call with the plan's own width runs and is right."""
     rng = np.random.default_rng(3)
     wide = rng.uniform(-2, 2, (4, 2, 3, 129)).astype(np.float32)
     x = np.ascontiguousarray(wide[..., :128]) if misaligned == "output" else wide[..., 1:]
@@ -342,9 +344,14 @@ def test_host_build_raises_on_misaligned_vectors(misaligned, monkeypatch):
             return np.full((4, 2, 3, 129), np.nan, np.float32)[..., 1:]
         return np.full((4, 2, 3, 128), np.nan, np.float32)
 
-    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread: x read by load_vec
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
+    if kernel == "one_row":
+        monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)  # one row per thread
+    names, orig = [], _hostkernels.launch
+    monkeypatch.setattr(_hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     y = _hostkernels.run_rope(plan, x, freqs, out=out())
     assert_close_to_ref(y, rope_ref(x, freqs), x, 128, "float32", misaligned)
     monkeypatch.setattr(_worksplit, "pick_vec", lambda *a, **k: 4)
     with pytest.raises(RuntimeError, match="misaligned"):
         _hostkernels.run_rope(plan, x, freqs, out=out())
+    assert [n.split("_")[0] for n in names] == ["rope1" if kernel == "one_row" else "rope"] * 2, names

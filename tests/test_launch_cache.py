@@ -340,3 +340,23 @@ def test_cache_is_bounded(monkeypatch):
     for i in range(5):
         _launch.cache_put(("k", i), FakePrepared(), [])
         assert 1 <= len(_launch._CACHE) <= 2 and ("k", i) in _launch._CACHE
+
+
+@pytest.mark.parametrize("capability, driver, pdl", [("90", 12030, True), ("100", 13000, True),
+                                                     ("89", 13000, False), ("90", 12020, False)])
+def test_programmatic_launches_from_sm_90_and_cuda_12_3(capability, driver, pdl, monkeypatch):
+    """Launches are programmatic dependent launches on devices of compute capability 9.0 and
+    later with a CUDA 12.3 or later driver (programmatic launches in stream capture), else plain;
+    the device and driver queried through CuPy (stand-ins here: no device needed)."""
+    import cupy
+
+    class Device:
+        def __init__(self, device):
+            self.compute_capability = capability
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda.runtime, "driverGetVersion", lambda: driver)
+    monkeypatch.setattr(_launch, "_launch_ex", lambda: "cuLaunchKernelEx")
+    monkeypatch.setattr(_launch, "_pdl", {})
+    monkeypatch.delenv("CUPY_ROPE_PDL", raising=False)
+    assert _launch.pdl_launcher(0) == ("cuLaunchKernelEx" if pdl else None)

@@ -457,13 +457,20 @@ def test_errors_name_the_argument(mutate, exc, name):
 
 
 def test_debug_mode_reports_positions_outside_the_table():
-    pos, q, k, cache = _base()
-    pos = np.array([0, 1, 9, 2])
-    cupy_rope.apply_rope_pos(pos, q, k, cos_sin_cache=cache)  # copied through, no error
-    cupy_rope.set_debug(True)
+    """Positions outside the cache copy their token through; in debug mode they are an error
+    naming the first one, for the first position past the table, one further and one before it
+    (the table's last row is inside)."""
+    _, q, k, cache = _base()
+    rows = cache.shape[0]
     try:
-        with pytest.raises(ValueError, match=r"`cos_sin_cache`.*position 9 at `positions`\[2\]"):
-            cupy_rope.apply_rope_pos(pos, q, k, cos_sin_cache=cache)
+        for bad in (rows, rows + 1, -1):
+            pos = np.array([0, 1, bad, 2])
+            cupy_rope.set_debug(False)
+            cupy_rope.apply_rope_pos(pos, q, k, cos_sin_cache=cache)  # copied through, no error
+            cupy_rope.set_debug(True)
+            cupy_rope.apply_rope_pos(np.array([0, 1, rows - 1, 2]), q, k, cos_sin_cache=cache)
+            with pytest.raises(ValueError, match=rf"`cos_sin_cache`.*position {bad} at `positions`\[2\]"):
+                cupy_rope.apply_rope_pos(pos, q, k, cos_sin_cache=cache)
     finally:
         cupy_rope.set_debug(False)
 
