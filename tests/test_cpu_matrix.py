@@ -328,9 +328,9 @@ def test_odd_units_split(dtype, monkeypatch):
 @pytest.mark.parametrize("kernel", ["one_row", "streaming"])
 @pytest.mark.parametrize("misaligned", ["input", "output"])
 def test_host_build_raises_on_misaligned_vectors(misaligned, kernel, monkeypatch):
-    """The host build faults like the GPU on a vector load or store at an address that is not a
-    multiple of its size: a launch forced to 16-byte vectors (the plan would choose single
-    elements) whose input, or output, has rows off the 16-byte grid raises, on the one-row
+    """The host build refuses a vector load or store at an address that is not a multiple of
+    its size, as the GPU faults on one: a launch forced to 16-byte vectors (the plan would choose
+    single elements) whose input, or output, has rows off the 16-byte grid raises, on the one-row
     kernel (loads by load_vec) and on the streaming kernel (loads by asynchronous copies into
     its ring); the same call with the plan's own width runs and is right."""
     rng = np.random.default_rng(3)
