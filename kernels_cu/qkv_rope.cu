@@ -54,7 +54,7 @@ template <typename T, bool BACKWARD> struct GroupRows {
     if (r == n) return OutRow<T>{k, k + kd, k_mode, krow, kscol};
     return OutRow<T>{v, v + vd, kCopy, nullptr, 0};
   }
-  __device__ __forceinline__ void in(int kk, const T*& p0, const T*& p1) {
+  __device__ __forceinline__ void in(const T*& p0, const T*& p1) {
     if (BACKWARD) {
       if (rin < n) {
         p0 = qin;

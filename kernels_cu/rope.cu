@@ -41,7 +41,7 @@ template <typename T> struct HeadRows {
   int mode;
   const float* trow;
   i64 scol;
-  __device__ __forceinline__ void in(int, const T*& p0, const T*& p1) {
+  __device__ __forceinline__ void in(const T*& p0, const T*& p1) {
     p0 = x;
     p1 = x + xd;
     x += xstep;

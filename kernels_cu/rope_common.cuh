@@ -605,9 +605,9 @@ struct Ring {
   int fill, s;  // slot of the next row to issue, of the next row to read
   static constexpr int D = CUPY_ROPE_ASYNC_DEPTH, S = D + 1;
   __device__ __forceinline__ void step(int& i) { i = i == S - 1 ? 0 : i + 1; }
-  template <typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, int k, bool pair) {
+  template <typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, bool pair) {
     const T *p0, *p1;
-    rows.in(k, p0, p1);
+    rows.in(p0, p1);
     const RingAddr at = base + 2 * fill * nb;
     async_copy16(at, p0);
     if (pair) async_copy16(at + nb, p1);
@@ -624,7 +624,7 @@ template <typename T, class Rows>
 __device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pair) {
 #pragma unroll
   for (int j = 0; j < Ring::D; ++j) {
-    if (j < cnt) r.issue<T>(rows, j, pair);
+    if (j < cnt) r.issue<T>(rows, pair);
     async_commit();
   }
 }
@@ -637,7 +637,7 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
   const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<T>(rows, k + Ring::D, two);  // into the slot of row k - 1, read back
+    if (k + Ring::D < cnt) r.issue<T>(rows, two);  // row k + D, into the slot of row k - 1, read back
     async_commit();
     async_wait<Ring::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
@@ -661,8 +661,8 @@ __device__ __noinline__ void ring_fresh(Ring r, int cnt, Rows rows, i64 c0, i64 
 #endif
 
 // One thread's work: rows k = 0 .. cnt-1 (cnt >= 1) of one unit (c0, c1: its channels). `rows`
-// gives each row's input vectors (rows.in(k, p0, p1)) and its OutRow (rows.out(k)), called for
-// k in increasing order. Row k + Rows::kDepth is loaded (into registers) before row k is processed
+// gives the next row's input vectors (rows.in(p0, p1): rows in increasing order) and row k's
+// OutRow (rows.out(k)), called for k in increasing order. Row k + Rows::kDepth is loaded (into registers) before row k is processed
 // and stored, so that every thread always has loads in flight. PAIR: two vectors per unit
 // (otherwise one: a tail unit, copied). MODE: every row's mode when known here (a loop per mode
 // keeps each lean), or kAnyMode (each row's own). cm/sm: the held cos/sin. Every element is read
@@ -673,22 +673,22 @@ __device__ __forceinline__ void stream_rows(int cnt, Rows& rows, const float* cm
   constexpr int kDepth = Rows::kDepth;
   constexpr int S = kDepth + 1;
   Vec<T, V> a[S], b[S];
-  auto load = [&](int k, Vec<T, V>& va, Vec<T, V>& vb) {
+  auto load = [&](Vec<T, V>& va, Vec<T, V>& vb) {  // the next row
     const T *p0, *p1;
-    rows.in(k, p0, p1);
+    rows.in(p0, p1);
     va = load_vec<T, V>(p0);
     if (PAIR) vb = load_vec<T, V>(p1);
   };
 #pragma unroll
   for (int j = 0; j < kDepth; ++j) {
-    if (j < cnt) load(j, a[j], b[j]);
+    if (j < cnt) load(a[j], b[j]);
   }
   for (int k0 = 0;; k0 += S) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
       const int k = k0 + s;
       if (k >= cnt) return;
-      if (k + kDepth < cnt) load(k + kDepth, a[(s + kDepth) % S], b[(s + kDepth) % S]);
+      if (k + kDepth < cnt) load(a[(s + kDepth) % S], b[(s + kDepth) % S]);  // row k + kDepth
       const OutRow<T> o = rows.out(k);
       rotate_row<T, V, INTERLEAVED, BACKWARD, PAIR, MODE>(o.mode, a[s], b[s], cm, sm, o, c0, c1);
       store_vec<T, V>(o.p0, a[s]);
@@ -704,7 +704,7 @@ template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
 __device__ __noinline__ void fresh_rows(int cnt, Rows rows, i64 c0, i64 c1) {
   for (int k = 0; k < cnt; ++k) {
     const T *p0, *p1;
-    rows.in(k, p0, p1);
+    rows.in(p0, p1);
     Vec<T, V> a = load_vec<T, V>(p0), b = load_vec<T, V>(p1);
     const OutRow<T> o = rows.out(k);
     float v[2 * V];

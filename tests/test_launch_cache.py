@@ -360,3 +360,13 @@ def test_programmatic_launches_from_sm_90_and_cuda_12_3(capability, driver, pdl,
     monkeypatch.setattr(_launch, "_pdl", {})
     monkeypatch.delenv("CUPY_ROPE_PDL", raising=False)
     assert _launch.pdl_launcher(0) == ("cuLaunchKernelEx" if pdl else None)
+
+
+def test_grid_limit_is_the_last_block_index_below_2_31():
+    """One launch runs at most 2^31 - 1 blocks along x (the driver's limit): that many pass, one
+    more is a ValueError saying the problem is too large."""
+    from types import SimpleNamespace
+
+    assert _launch.check_grid(SimpleNamespace(grid=(2**31 - 1, 2))) == (2**31 - 1, 2)
+    with pytest.raises(ValueError, match=r"problem too large for one launch \(2147483648 blocks\)"):
+        _launch.check_grid(SimpleNamespace(grid=(2**31, 1)))

@@ -282,6 +282,16 @@ def test_out_overlapping_a_reversed_input_is_refused():
     np.testing.assert_array_equal(x, X)
 
 
+def test_out_with_a_zero_stride_on_a_size_one_dimension_is_written():
+    """A zero stride is refused in ``out`` only where elements would overlap: on a dimension of
+    size one (any stride is valid there) the output is written and right."""
+    x = X[:, :1]  # [8, 1, 2, 32]
+    out = np.lib.stride_tricks.as_strided(np.full((8, 2, 32), np.nan, np.float32), x.shape, (256, 0, 128, 4))
+    y = cupy_rope.apply_rope(x, F, out=out)
+    assert y is out
+    assert_close_to_ref(out, rope_ref(x, F), x, 32, "float32", "zero stride on a size-1 dimension")
+
+
 def test_vector_width_needs_aligned_addresses():
     """A 16-byte vector needs a 16-byte aligned address: 4-byte alignment gives 2 bf16 (4 bytes)."""
     from cupy_rope import _worksplit
