@@ -158,13 +158,14 @@ if "split" in what:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import model as M
 
-    @torch.library.custom_op("probe::noop_qk", mutates_args=())
-    def _noop_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _outputs(q, k):
         return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
-    @_noop_qk.register_fake
-    def _(q, k):
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    @torch.library.custom_op("probe::noop_qk", mutates_args=())
+    def _noop_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _outputs(q, k)
+
+    _noop_qk.register_fake(_outputs)
 
     _IMPL = torch.ops.cupy_rope._rope_qk_impl.default
     # the op called directly (no cupy_rope Python traced), and an opaque no-op op (any custom op's cost)

@@ -78,22 +78,30 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+# The host build's counters (host_shim.h: cupy_rope_counts), by index.
+_COUNTERS = {"unshared": 0, "fresh": 1, "misaligned": 2, "cache_vector": 3}
+
+
+def _count(which: str, reset: bool = True) -> int:
+    return library().cupy_rope_count(_COUNTERS[which], int(reset))
+
+
 def unshared_count(reset: bool = True) -> int:
     """Threads of one-row launches since the last reset that shared their token's sincosf but
     could not use it (a pair of two angles in their unit: they computed their own)."""
-    return library().cupy_rope_count(0, int(reset))
+    return _count("unshared", reset)
 
 
 def fresh_count(reset: bool = True) -> int:
     """Rows since the last reset rotated with cos/sin computed for the row alone (``rotate_fresh``:
     a unit with a pair of two angles) rather than with the cos/sin its thread holds for the unit."""
-    return library().cupy_rope_count(1, int(reset))
+    return _count("fresh", reset)
 
 
 def cache_vector_count(reset: bool = True) -> int:
     """Units since the last reset whose cos/sin came from a cache in whole 16-byte loads (rows
     with contiguous, aligned columns) rather than one load per value."""
-    return library().cupy_rope_count(3, int(reset))
+    return _count("cache_vector", reset)
 
 
 def _nvrtc_options(arch: str, defines=()) -> list:
@@ -141,10 +149,9 @@ def launch(name: str, grid: tuple, block: int, params: bytes) -> None:
     """Run kernel ``name`` over ``grid`` = (x, y) blocks of ``block`` threads on the CPU. Raises
     ``RuntimeError`` where a vector load or store met an address that is not a multiple of its
     size (on the GPU a misaligned address error; the CPU would carry on)."""
-    lib = library()
-    lib.cupy_rope_count(2, 1)
-    getattr(lib, name)(grid[0], grid[1], block, params)
-    misaligned = lib.cupy_rope_count(2, 1)
+    _count("misaligned")
+    getattr(library(), name)(grid[0], grid[1], block, params)
+    misaligned = _count("misaligned")
     if misaligned:
         raise RuntimeError(f"host build: {name} made {misaligned} vector accesses at misaligned addresses")
 
