@@ -1,7 +1,9 @@
 """A few launches of one benchmark row, for a profiler (ncu) to look at.
 
     ncu --clock-control none --kernel-name regex:'^(rope|qkv|copy16)' --launch-skip 2 \
-        --launch-count 1 --section SpeedOfLight python3 benchmarks/profile_one.py ROW [fwd|bwd|copy]
+        --launch-count 1 --section SpeedOfLight python3 benchmarks/profile_one.py ROW [fwd|bwd|copy] [TUNE]
+
+TUNE: the library's tuning, as benchmarks/run.py --tune takes it (e.g. LEAN=1).
 """
 import os
 import sys
@@ -16,6 +18,10 @@ from cupy_rope._dev import benchmark as B  # noqa: E402
 def main():
     rid = int(sys.argv[1])
     what = sys.argv[2] if len(sys.argv) > 2 else "fwd"
+    if len(sys.argv) > 3:
+        import argparse
+
+        B.apply_tuning(sys.argv[3], argparse.ArgumentParser())
     spec = {r: s for r, _, s in B.SHAPES}[rid]
     p = B.Problem(spec)
     if what == "copy":

@@ -19,14 +19,18 @@ from pathlib import Path
 # rope: the streaming rope kernel; ropem: the same for rows of rotated and copied units (a rotary
 # slice narrower than the head), 16-byte vectors only (MIXED_BYTES); rope1 / rope1c: the same
 # rotation, one row per thread (small launches) with an angle table / a cos/sin cache; rope2c:
-# the same with a cos/sin cache and two rows per thread (large launches), 16-byte vectors only.
+# the same with a cos/sin cache and two rows per thread (large launches), 16-byte vectors only;
+# ropel: the lean kernel (large launches with an angle table in the common case: a few rows per
+# thread, 32-bit offsets), 16-byte vectors only.
 KINDS = {"rope": "CUPY_ROPE_KERNEL", "ropem": "CUPY_ROPEM_KERNEL", "rope1": "CUPY_ROPE1_KERNEL",
-         "rope1c": "CUPY_ROPE1C_KERNEL", "rope2c": "CUPY_ROPE2C_KERNEL", "qkv": "CUPY_QKV_KERNEL"}
-ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c", "rope2c")  # the kernels of a rope launch (RopeParams, two blocks)
+         "rope1c": "CUPY_ROPE1C_KERNEL", "rope2c": "CUPY_ROPE2C_KERNEL", "ropel": "CUPY_ROPEL_KERNEL",
+         "qkv": "CUPY_QKV_KERNEL"}
+# the kernels of a rope launch (RopeParams, two blocks)
+ROPE_KINDS = ("rope", "ropem", "rope1", "rope1c", "rope2c", "ropel")
 # The kinds instantiated for MIXED_BYTES-byte vectors only: ropem (its loop streams the shared-memory
-# ring) and rope2c (large launches, which take 16-byte vectors wherever the arrays allow them).
+# ring), rope2c and ropel (large launches, which take 16-byte vectors wherever the arrays allow them).
 MIXED_BYTES = 16
-WIDE_KINDS = ("ropem", "rope2c")
+WIDE_KINDS = ("ropem", "rope2c", "ropel")
 SOURCES = ("rope_common.cuh", "rope.cu", "qkv_rope.cu")
 # dtype name -> (C type, element size in bytes)
 CTYPES = {"float32": ("float", 4), "float16": ("__half", 2), "bfloat16": ("__nv_bfloat16", 2)}
@@ -156,6 +160,23 @@ def defines() -> tuple[str, ...]:
     with (``CUPY_ROPE_BLOCK``, which sizes the kernels' launch bounds and shared-memory ring), then
     the tuning defines in effect (none in the library's own build)."""
     return (f"-DCUPY_ROPE_BLOCK={BLOCK}",) + tuple(DEFINES)
+
+
+def define_value(name: str) -> int:
+    """The integer a build of the source gives macro ``name``: a tuning define's (``DEFINES``,
+    ``-DNAME=V``) where one sets it, else the source's own ``#define NAME V``."""
+    return _define_value(name, DEFINES)
+
+
+@functools.lru_cache(maxsize=None)
+def _define_value(name: str, extra: tuple) -> int:
+    for d in reversed(extra):
+        if d.startswith(f"-D{name}="):
+            return int(d.split("=", 1)[1])
+    m = re.search(rf"^\s*#define\s+{name}\s+(-?\d+)\s*$", base_source(), re.M)
+    if not m:
+        raise ValueError(f"cupy_rope: no integer #define {name} in the kernel source")
+    return int(m.group(1))
 
 
 def source_hash() -> str:

@@ -76,6 +76,24 @@ _SHARE_SINCOS = True
 # benchmark harness's --tune TWO_ROWS=0|1 changes it.
 _TWO_ROWS = True
 _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
+# Launches of 16-byte vectors with an angle table that the split leaves to the streaming kernel
+# take the lean kernel (``ropel``: at most CUPY_ROPE_LEAN_ROWS rows of one token per thread, the
+# kernel's define, loaded up front; 32-bit offsets) where _LEAN is set and ``lean_fits`` allows:
+# H200, one session, forward us,
+# streaming / lean: sbhd 4096x2x32x128 40.0-41.0 / 38.6-39.0; thd 32K tokens in 16 sequences
+# 147.8-148.1 / 138.5-138.7; sbhd fp32 d 64 19.1-19.2 / 18.5-18.6; sbhd d 80 28.7-28.8 / 27.7-27.8;
+# sbhd cp_size 4 40.2-40.3 / 38.7-38.8; but bshd 2x8192x8x128 (8 heads: the streaming split's order
+# is already a copy's there) 20.9 / 21.7 and thd 65536 tokens in 1024 sequences 149.3-150.2 /
+# 153.0-153.4 (every thread's binary search over cu_seqlens): hence at least _LEAN_MIN_HEADS heads
+# and at most _LEAN_MAX_SEQS sequences. Two rows per thread: 40.0-40.2, 22.3, 149-151, 166-168,
+# 18.6, 27.1-27.4, 40.3. Rows with pass-through channels stay on the mixed kernel: a lean variant
+# that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6 against 43.0-43.9
+# (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
+# LEAN_MAX_SEQS=N change them, DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
+_LEAN = True
+_LEAN_MIN_HEADS = 16
+_LEAN_MAX_SEQS = 64
+_OFFSET_LIMIT = 2**31  # the lean kernel's 32-bit element offsets
 
 
 def pick_vec(dtype: str, ds, d2: int, arrays, off: int = 0) -> int:
@@ -166,6 +184,19 @@ def shares_sincos(vals: dict, vec: int, block: int) -> bool:
             and vals["n_chunks"] % vec == 0 and block % pairs == 0 and block <= _kernels.BLOCK)
 
 
+def lean_fits(vals: dict, arrays) -> bool:
+    """Whether the lean kernel (``ropel``) runs a rope launch's tensor: its parameter block's
+    values ``vals`` (an angle table with contiguous columns, every unit of a row rotated, at least
+    ``_LEAN_MIN_HEADS`` heads, at most ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``) and its
+    ``arrays`` (input, output: every element offset below ``_OFFSET_LIMIT``)."""
+    if vals["f_kind"] != _abi.ANGLES or vals["f_scol"] != 1 or vals["n_rot_units"] != vals["n_units"]:
+        return False
+    if vals["n_heads"] < _LEAN_MIN_HEADS or (vals["pos.cu_seqlens"] and vals["pos.nseq"] > _LEAN_MAX_SEQS):
+        return False
+    return all(sum(abs(s) * (n - 1) for n, s in zip(a.shape, norm_strides(a.shape, a.strides))) < _OFFSET_LIMIT
+               for a in arrays)
+
+
 def blocks_for(threads: int, block: int = 0) -> int:
     return -(-threads // (block or _kernels.BLOCK))
 
@@ -238,7 +269,7 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
             threads.append(nt)
         kind = "rope"
         if rows_per_thread:
-            kind = _TWO_ROW_KINDS[blocks[0]["f_kind"]]
+            kind = _TWO_ROW_KINDS.get(blocks[0]["f_kind"], "ropel")
         elif _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
             kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
         return kind, blocks, threads
@@ -254,6 +285,10 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     wide = vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
     if kind == "rope" and _TWO_ROWS and wide and blocks[0]["f_kind"] in _TWO_ROW_KINDS:
         alt = split(vec, 2)
+        if one_row_indices(max(alt[2]), _kernels.BLOCK):
+            kind, blocks, threads = alt
+    if kind == "rope" and _LEAN and wide and all(lean_fits(b, xy) for b, xy in zip(blocks, tensors)):
+        alt = split(vec, _kernels.define_value("CUPY_ROPE_LEAN_ROWS"))
         if one_row_indices(max(alt[2]), _kernels.BLOCK):
             kind, blocks, threads = alt
     if kind == "rope" and _MIXED and wide and any(b["n_rot_units"] < b["n_units"] for b in blocks):

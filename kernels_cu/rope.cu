@@ -212,13 +212,88 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   });
 }
 
+
+// Rows per thread of the lean kernels (rope_lean_body): the launch layer reads this define (or a
+// build's override of it) and gives a thread at most this many (cupy_rope/_worksplit.py).
+#ifndef CUPY_ROPE_LEAN_ROWS
+#define CUPY_ROPE_LEAN_ROWS 4
+#endif
+// Resident blocks per SM the lean kernels' register budget must allow (CUPY_ROPE_MIN_BLOCKS).
+#ifndef CUPY_ROPE_LEAN_MIN_BLOCKS
+#define CUPY_ROPE_LEAN_MIN_BLOCKS 4
+#endif
+
+// Lean rows (ropel_ kernels): the streaming kernel's launches in the common case, written for few
+// instructions and registers per row. The launch layer takes them for an angle table with
+// contiguous columns, every unit of a row rotated, 16-byte vectors, and every thread index and
+// every element offset of x and y below 2^31 (the arithmetic here is 32-bit). A thread takes up
+// to R rows of its token (heads c, c + C, ..., C = n_chunks), loads them up front, then computes
+// its token's position and, one pair at a time, the pair's cos/sin and its rotation in every row
+// (rope_one_body's order without its general addressing, sharing, caches or unit of floats):
+// resident threads cover few tokens whole, the order a copy runs fastest in (benchmarks/NOTES.md).
+// The same bits as the other kernels: each pair is rotate_pair of the sincosf of its angles.
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, int R>
+__device__ __forceinline__ void rope_lean_body(const RopeParams& p) {
+  const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned tok = fast_div(item, p.dv_item);
+  const unsigned rest = item - tok * (unsigned)(p.n_chunks * p.n_units);
+  const unsigned c = fast_div(rest, p.dv_unit), u = rest - c * (unsigned)p.n_units;
+  const unsigned outer = fast_div(tok, p.dv_inner), inner = tok - outer * (unsigned)p.n_inner;
+  if (tok >= p.n_tok) return;
+  // the unit's vectors at channels cb0 and cb0 + dc (unit_bases)
+  const int cb0 = (int)u * (INTERLEAVED ? 2 * V : V), dc = INTERLEAVED ? V : (int)p.d2 / 2;
+  const int C = (int)p.n_chunks;
+  const int xo = (int)outer * (int)p.xs0 + (int)inner * (int)p.xs1 + (int)c * (int)p.xsh + cb0;
+  const int yo = (int)outer * (int)p.ys0 + (int)inner * (int)p.ys1 + (int)c * (int)p.ysh + cb0;
+  const int xstep = C * (int)p.xsh, ystep = C * (int)p.ysh;
+  int cnt = 1;
+#pragma unroll
+  for (int j = 1; j < R; ++j) cnt += (int)c + j * C < (int)p.n_heads;
+  const T* x = reinterpret_cast<const T*>(p.x) + xo;
+  T* y = reinterpret_cast<T*>(p.y) + yo;
+  await_previous_grid();
+  Vec<T, V> a[R], b[R];
+  for_rows<R>(cnt, [&](int j) {
+    a[j] = load_vec<T, V>(x + j * xstep);
+    b[j] = load_vec<T, V>(x + j * xstep + dc);
+  });
+  i64 pos = 0;
+  const bool valid = token_position(p.pos, outer, inner, pos);  // sets pos: before in_table reads it
+  if (in_table(valid, pos, p.f_rows)) {
+    const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
+    // One pair at a time, in the rows' packed words (no unit of floats, no cos/sin array held):
+    // the registers that buy this kernel its occupancy. The second member's cos/sin is the first's
+    // where the pair's two angles are equal (any standard table), else its own.
+#pragma unroll
+    for (int m = 0; m < V; ++m) {
+      int f, g;
+      pair_index<INTERLEAVED, V>(m, f, g);
+      const float af = trow[unit_channel<V>(f, cb0, cb0 + dc)], ag = trow[unit_channel<V>(g, cb0, cb0 + dc)];
+      float sf, cf, sg, cg;
+      sincosf(af, &sf, &cf);
+      sg = sf, cg = cf;
+      if (ag != af) sincosf(ag, &sg, &cg);
+      for_rows<R>(cnt, [&](int j) {
+        float xf = unit_elem<T, V>(a[j], b[j], f), xg = unit_elem<T, V>(a[j], b[j], g);
+        rotate_pair<BACKWARD>(xf, xg, cf, sf, cg, sg);
+        set_unit_elem<T, V>(a[j], b[j], f, xf);
+        set_unit_elem<T, V>(a[j], b[j], g, xg);
+      });
+    }
+  }
+  for_rows<R>(cnt, [&](int j) {
+    store_vec<T, V>(y + j * ystep, a[j]);
+    store_vec<T, V>(y + j * ystep + dc, b[j]);
+  });
+}
+
 }  // namespace cupy_rope
 
 // One extern "C" entry point per instantiation, named NAME = rope_<dtype>_v<V>_<n|i>_<f|b> (the
 // streaming kernel), ropem_... (the streaming kernel for rows of rotated and copied units,
 // 16-byte vectors only), rope1_... (one row per thread, angle tables), rope1c_... (one row per
-// thread, cos/sin caches) or rope2c_... (two rows per thread, cos/sin caches, 16-byte vectors),
-// taking two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
+// thread, cos/sin caches), rope2c_... (two rows per thread, cos/sin caches, 16-byte vectors) or
+// ropel_... (a few rows per thread, angle tables, 16-byte vectors), taking two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
 // The launch layer appends the CUPY_ROPE_KERNEL(...) / CUPY_ROPEM_KERNEL(...) / ... lines it
 // needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
@@ -231,3 +306,5 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE2C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, true, 2>), CUPY_ROPE_MIN_BLOCKS)
+#define CUPY_ROPEL_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_lean_body<T, V, INTERLEAVED, BACKWARD, CUPY_ROPE_LEAN_ROWS>), CUPY_ROPE_LEAN_MIN_BLOCKS)

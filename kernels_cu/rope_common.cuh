@@ -138,6 +138,31 @@ __device__ __forceinline__ void from_floats(const float* y, Vec<T, V>& v) {
   }
 }
 
+// Element e of a unit held as two vectors (e < V in a, else in b), as a float; and written from
+// one (rounded to nearest even, the bits from_floats gives).
+template <typename T, int V>
+__device__ __forceinline__ float unit_elem(const Vec<T, V>& a, const Vec<T, V>& b, int e) {
+  const Vec<T, V>& v = e < V ? a : b;
+  const int i = e % V;
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(v.w[i]);
+  } else {
+    return i & 1 ? Half16<T>::hi(v.w[i / 2]) : Half16<T>::lo(v.w[i / 2]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void set_unit_elem(Vec<T, V>& a, Vec<T, V>& b, int e, float x) {
+  Vec<T, V>& v = e < V ? a : b;
+  const int i = e % V;
+  if constexpr (sizeof(T) == 4) {
+    v.w[i] = __float_as_uint(x);
+  } else {
+    unsigned int& w = v.w[i / 2];
+    w = i & 1 ? (w & 0xffffu) | (Half16<T>::one(x) << 16) : (w & 0xffff0000u) | Half16<T>::one(x);
+  }
+}
+
 // Integer index tensors (cu_seqlens, start_positions) are int32 or int64, with any element
 // stride (negative and 0 included): entry i is at addr + i * stride elements.
 __device__ __forceinline__ i64 load_index(i64 addr, i64 is64, i64 stride, i64 i) {

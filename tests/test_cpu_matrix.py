@@ -34,14 +34,24 @@ def test_numpy_backend(case, backward):
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
 
 
-@pytest.fixture(params=["one_row", "one_row_streaming", "max_rows", "two_chunks"])
+def use_lean(monkeypatch, on=True):
+    """The lean kernel (``ropel``) on every launch it can run (``on``; its head and sequence
+    limits lifted), or on none."""
+    monkeypatch.setattr(_worksplit, "_LEAN", on)
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
+    monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
+
+
+@pytest.fixture(params=["one_row", "one_row_streaming", "max_rows", "two_chunks", "lean"])
 def kernel(request, monkeypatch):
     """Both ends of the work split: one row per thread (a large device; the one-row kernel, and
     the streaming kernel given one row per thread) and all rows of a token in one thread (a small
-    device); and between them two chunks per token (threads stepping over every other head)."""
+    device); and between them two chunks per token (threads stepping over every other head); and
+    the lean kernel wherever it can run (up to CUPY_ROPE_LEAN_ROWS rows per thread; the others stream)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if request.param.startswith("one_row") else 1)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", request.param == "one_row")
+    use_lean(monkeypatch, request.param == "lean")
     if request.param == "two_chunks":
         split_in_chunks(monkeypatch, 2)
     return request.param
@@ -62,22 +72,28 @@ def test_host_kernels(case, backward, kernel):
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id() for c in CASES])
 def test_one_row_kernel_is_bit_identical_to_streaming_kernel(case, backward, monkeypatch):
-    """The one-row kernel and the mixed streaming kernel (rows with a tail, 16-byte vectors) are
-    the streaming kernel's arithmetic in another order: same bits."""
+    """The one-row kernel, the mixed streaming kernel (rows with a tail, 16-byte vectors) and the
+    lean kernel (full rotary rows, 16-byte vectors) are the streaming kernel's arithmetic in
+    another order: same bits."""
     x, freqs, kw = inputs(case)
     plan = _plan_for(x, freqs, kw, backward)
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
     got = {}
-    runs = ((True, True, ("rope1",)), (False, True, ("rope", "ropem")), (False, False, ("rope",)))
-    for one_row, mixed, kinds in runs:
+    runs = ((True, True, False, ("rope1",)), (False, True, False, ("rope", "ropem")),
+            (False, False, False, ("rope",)), (False, False, True, ("rope", "ropel")))
+    for one_row, mixed, lean, kinds in runs:
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
+        use_lean(monkeypatch, lean)
         spec = plan.launch(info(x), info(x), info(freqs), info(kw.get("cu_seqlens")),
                            info(kw.get("start_positions")), 4)
         name = spec.name
         assert name.split("_")[0] in kinds, name
         # one-row launches in their own blocks; the streaming kernels in the blocks their ring is sized for
         assert spec.block == (_worksplit._ONE_ROW_BLOCK if one_row else _kernels.BLOCK), (name, spec.block)
+        vec16 = int(name.split("_")[2][1:]) * x.itemsize == 16
+        fits = vec16 and plan.table.d2 == plan.d and plan.table.scol == 1  # the lean kernel's rows
+        assert name.startswith("ropel_") == (lean and fits), name
         out = np.full(x.shape, np.nan, dtype=x.dtype)
         got[name] = _hostkernels.run_rope(plan, x, freqs, kw.get("cu_seqlens"), kw.get("start_positions"), out=out)
     for y in got.values():
@@ -136,6 +152,7 @@ def test_one_row_angle_launch_width(monkeypatch):
     ]
     names, orig = [], _hostkernels.launch
     monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
+    monkeypatch.setattr(_worksplit, "_LEAN", False)  # "the streaming kernel": not its lean form
     for (dtype, heads, sms, cap, lim, want), freqs in itertools.product(cases, tables):
         monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", cap)
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", lim)
@@ -253,6 +270,7 @@ def test_host_kernel_row_chunks(dtype, table, monkeypatch):
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
+    use_lean(monkeypatch, False)  # the streaming kernel
     rng = np.random.default_rng(9)
     for shape, layout, d2 in (((5, 2, 301, 64), "sbhd", 48), ((37, 7, 64), "thd", 40),
                               ((3, 13, 2, 64), "bshd", 32), ((4, 2, 4, 64), "sbhd", 64),
@@ -299,6 +317,7 @@ def test_odd_units_split(dtype, monkeypatch):
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 8)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 4)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_MIN_ROWS", 4)
+    use_lean(monkeypatch, False)  # the streaming kernel's split
     split = _worksplit.split_work
     assert split(6, 1, 22, 80, 80, 8, 4)[1:4:2] == (5, 2)  # QKV: no rule; ceil(4 * 8 / 30)
     assert split(6, 1, 22, 80, 80, 8, 4, True)[1:4:2] == (5, 5)  # 6 tokens x 5 units: ceil(128 / 30)
@@ -323,6 +342,70 @@ def test_odd_units_split(dtype, monkeypatch):
             out = np.full(x.shape, np.nan, dtype=x.dtype)
             y = _hostkernels.run_rope(plan, x, f, out=out)
             assert_close_to_ref(y, rope_ref(x, f, backward=backward, **kw), x, 80, dtype, f"odd units {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lean_kernel_limits(dtype, monkeypatch):
+    """Large launches with an angle table take the lean kernel (``ropel``) exactly where it can
+    run and is faster: contiguous table columns, full rotary rows, at least ``_LEAN_MIN_HEADS``
+    heads, at most ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``, every element offset of x and
+    y below ``_OFFSET_LIMIT`` (its 32-bit arithmetic); the streaming kernels take the rest. Each
+    launch, on both sides of each limit, is checked against the reference on the host build."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
+    monkeypatch.setattr(_worksplit, "_LEAN", True)
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 16)
+    rng = np.random.default_rng(5)
+    d = 64
+
+    def launch(heads=16, d2=d, table="dense", cu=None, limit=2**31, seqs=64, il=False):
+        monkeypatch.setattr(_worksplit, "_OFFSET_LIMIT", limit)
+        monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", seqs)
+        layout = "thd" if cu is not None else "sbhd"
+        x = rng.uniform(-2, 2, ((12,) if cu is not None else (6, 2)) + (heads, d)).astype(NP_DTYPES[dtype])
+        wide = rng.uniform(-9, 9, (12, 1, 1, 2 * d2 + 4)).astype(np.float32)
+        f = {"dense": wide[..., :d2], "strided": wide[..., : 2 * d2: 2]}[table]
+        f = f if table == "strided" else np.ascontiguousarray(f)
+        plan = _plan.resolve_rope(info(x), info(f), layout, il, info(cu), None, 1, 0, None, False)
+        out = np.full(x.shape, np.nan, x.dtype)
+        name = plan.launch(info(x), info(out), info(f), info(cu), None, 4).name
+        y = _hostkernels.run_rope(plan, x, f, cu, out=out)
+        kw = dict(layout=layout, interleaved=il, cu_seqlens=cu, cp_size=1, cp_rank=0)
+        assert_close_to_ref(y, rope_ref(x, f, **kw), x, d2, dtype, name)
+        return name.split("_")[0]
+
+    size = 6 * 2 * 16 * d  # x's largest element offset: size - 1
+    cu = np.array([0, 5, 9, 12], np.int32)
+    assert launch() == launch(il=True) == "ropel"
+    assert launch(heads=15) == "rope"  # too few heads
+    assert launch(d2=32) == launch(d2=32, il=True) == "ropem"  # pass-through channels
+    assert launch(table="strided") == "rope"  # table columns two floats apart
+    assert launch(limit=size - 1) == "rope" and launch(limit=size) == "ropel"  # offsets in 31 bits
+    assert launch(cu=cu, seqs=2) == "rope" and launch(cu=cu, seqs=3) == "ropel"  # sequences
+
+
+def test_lean_rows_come_from_the_kernel_define(monkeypatch):
+    """The lean kernel's rows per thread have one definition, the source's CUPY_ROPE_LEAN_ROWS (or
+    a build's -D override of it, as the benchmark harness's tuning sets): the launch layer splits
+    the heads by it; the kernel built with the source's rotates every row (the host build is one
+    per process, with the source's defines: overrides are checked in the split only)."""
+    assert _kernels.define_value("CUPY_ROPE_LEAN_ROWS") == 4
+    with pytest.raises(ValueError, match="no integer #define"):
+        _kernels.define_value("CUPY_ROPE_NO_SUCH_DEFINE")
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
+    use_lean(monkeypatch)
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-2, 2, (5, 2, 10, 64)).astype(np.float32)
+    f = rng.uniform(-9, 9, (5, 1, 1, 64)).astype(np.float32)
+    for rows, chunks in ((4, 3), (2, 5), (3, 4), (5, 2)):
+        monkeypatch.setattr(_kernels, "DEFINES", () if rows == 4 else (f"-DCUPY_ROPE_LEAN_ROWS={rows}",))
+        plan = _plan_for(x, f, dict(layout="sbhd", interleaved=False, cp_size=1, cp_rank=0), False)
+        name, _, _, params = plan.launch(info(x), info(x), info(f), None, None, 4)
+        vals = dict(zip(_abi.ROPE_FIELDS, struct.unpack(f"<{len(_abi.ROPE_FIELDS)}q",
+                                                          params[:8 * len(_abi.ROPE_FIELDS)])))
+        assert (name.split("_")[0], vals["n_chunks"]) == ("ropel", chunks), (rows, vals)
+        if rows == 4:
+            y = _hostkernels.run_rope(plan, x, f, out=np.full(x.shape, np.nan, x.dtype))
+            assert_close_to_ref(y, rope_ref(x, f), x, 64, "float32", f"lean rows {rows}")
 
 
 @pytest.mark.parametrize("kernel", ["one_row", "streaming"])

@@ -97,7 +97,8 @@ def test_gpu_matrix(case, backward, fw):
 def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     """The matrix's (small) calls run the one-row kernel; with it turned off, the streaming kernel
     with one row per thread (the mixed one, ``ropem``, for rows with a tail and 16-byte vectors,
-    and with that turned off too, ``rope``). Each against the reference. They are the same
+    and with that turned off too, ``rope``); then the lean kernel, ``ropel``, where it can run
+    (its head and sequence limits lifted; else ``rope``). Each against the reference. They are the same
     arithmetic, but the compiler may contract a product and a sum into one FMA differently in the
     kernels: on the H200 some float32/float16 forward cases differ in the last bit (the host
     build, without FMA, gives the same bits: test_cpu_matrix), bfloat16 decode gives the same bits
@@ -110,13 +111,17 @@ def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     ref = rope_ref(x, freqs, backward=backward, **kw)
     names, orig = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: names.append(spec.name) or orig(spec, *a, **k))
-    for one_row, mixed in ((True, True), (False, True), (False, False)):
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
+    monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
+    for one_row, mixed, lean in ((True, True, False), (False, True, False), (False, False, False), (False, False, True)):
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
+        monkeypatch.setattr(_worksplit, "_LEAN", lean)
         monkeypatch.setattr(_launch, "_CACHE", {})
         y = to_host(fn(to_dev(x, "cupy"), to_dev(freqs, "cupy"), **dkw), "cupy")
         assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, f"{case.id()} {names[-1]}")
-    assert [n.split("_")[0] for n in names] in (["rope1", "rope", "rope"], ["rope1", "ropem", "rope"]), names
+    kinds = [n.split("_")[0] for n in names]
+    assert kinds[:3] in (["rope1", "rope", "rope"], ["rope1", "ropem", "rope"]) and kinds[3] in ("rope", "ropel"), names
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
@@ -131,6 +136,7 @@ def test_gpu_odd_units_split(dtype, backward, monkeypatch):
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 64)
+    monkeypatch.setattr(_worksplit, "_LEAN", False)  # the streaming kernel's split
     monkeypatch.setattr(_launch, "_CACHE", {})
     specs, orig = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: specs.append(spec) or orig(spec, *a, **k))

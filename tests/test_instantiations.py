@@ -54,7 +54,9 @@ def _run(name, tail, fw, monkeypatch):
     ``rope1c`` and ``rope2c`` (cos/sin caches, one and two rows per thread) run through the
     positions API: with a float32 cache for ``tail`` 2, a cache in the tensors' dtype for ``tail``
     1; ``rope2c`` with the one-row kernels off and the two-row kernel on, 5 heads (threads of two
-    rows and of one)."""
+    rows and of one). ``ropel`` (the lean kernel: full rotary rows only) has no tail: 13 heads
+    (threads of four rows and of three), a general table (pairs of two angles) for ``tail`` 2, a
+    standard one (equal angles) for ``tail`` 1, and its head limit lowered."""
     from cupy_rope import _launch
 
     kind, dtype, v, il, bw = _parse(name)
@@ -62,13 +64,17 @@ def _run(name, tail, fw, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)  # rope1 at every width it has
     monkeypatch.setattr(_worksplit, "_MIXED", kind == "ropem")
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", kind == "rope2c")
+    monkeypatch.setattr(_worksplit, "_LEAN", kind == "ropel")
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels
     # copied in units of two vectors (2v) or one (v: the one-vector tail unit)
     h2 = v * 3
-    d2, d = 2 * h2, 2 * h2 + tail * v
+    d2, d = 2 * h2, 2 * h2 + (0 if kind == "ropel" else tail) * v
     f = rng.uniform(-40, 40, (10, d2)).astype(np.float32)
+    if kind == "ropel" and tail == 1:
+        f = np.concatenate([f[:, :h2]] * 2, 1) if not il else np.repeat(f[:, :h2], 2, 1)
     sp = np.array([2, 0, 1], np.int32)
     kf = rng.uniform(-40, 40, (12, 1, 1, d2)).astype(np.float32)
     kw = dict(start_positions=sp, cp_size=2, cp_rank=1)
@@ -99,9 +105,10 @@ def _run(name, tail, fw, monkeypatch):
         ref = rope_pos_ref(x, pos, "cos_sin", cache, 10, il, 0, bw)
         assert_close_to_ref(y, ref, x, d2, dtype, name)
         return
-    if kind in ("rope", "ropem", "rope1"):
-        x = _aligned(lead + (5, d), dtype, rng)
-        out = _aligned((5,) + lead + (d,), dtype, rng)
+    if kind in ("rope", "ropem", "rope1", "ropel"):
+        h = 13 if kind == "ropel" else 5
+        x = _aligned(lead + (h, d), dtype, rng)
+        out = _aligned((h,) + lead + (d,), dtype, rng)
         out[...] = np.nan  # strided output, poisoned
         out = out.transpose(1, 2, 0, 3)
         if fw == "host":
@@ -203,7 +210,8 @@ def test_parameter_blocks_come_from_the_cuda_structs(monkeypatch):
 def test_launch_alternatives():
     """A traced JAX call plans without the device's SM count and compiles every kernel the
     device's work split may pick: a rope launch's three kernels (five with 16-byte vectors: the
-    mixed and the two-row kernel too; the one-row angle kernel at its own width), a QKV launch's one."""
+    mixed, the two-row and the lean kernel too; the one-row angle kernel at its own width), a QKV
+    launch's one."""
     names = set(_kernels.all_kernels())
     for name in names:
         alts = _worksplit.launch_alternatives(name)
@@ -212,7 +220,7 @@ def test_launch_alternatives():
         assert _kernels.parse_name(name) == (kind, dtype, v, il, bw)
         sixteen = v * _kernels.CTYPES[dtype][1] == _kernels.MIXED_BYTES
         narrow = min(v, _worksplit._ONE_ROW_ANGLE_VEC)  # rope1 also at this width
-        assert len(alts) == (1 if kind == "qkv" else 3 + 2 * sixteen + (narrow < v)), (name, alts)
+        assert len(alts) == (1 if kind == "qkv" else 3 + 3 * sixteen + (narrow < v)), (name, alts)
         if kind != "qkv":
             assert _kernels.kernel_name("rope1", dtype, narrow, il, bw) in alts, (name, alts)
     for kind in _kernels.WIDE_KINDS:  # 3 dtypes x interleaved x direction

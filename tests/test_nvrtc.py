@@ -22,9 +22,9 @@ def _nvrtc_or_skip():
 def test_every_instantiation_compiles_for_sm90():
     _nvrtc_or_skip()
     names = _kernels.all_kernels()
-    # kinds x (bf16, f16, f32 widths) x interleaved x direction, and the mixed and two-row kinds'
-    # 16-byte vectors
-    assert len(names) == 4 * (4 + 4 + 3) * 4 + 2 * 3 * 4
+    # kinds x (bf16, f16, f32 widths) x interleaved x direction, and the mixed, two-row and lean
+    # kinds' 16-byte vectors
+    assert len(names) == 4 * (4 + 4 + 3) * 4 + 3 * 3 * 4
     cubin = _hostkernels.nvrtc_cubin("sm_90")
     assert len(cubin) > 100000
     for n in names:  # every entry point is present as an unmangled symbol

@@ -144,19 +144,22 @@ def _same_bits(a, b):
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
-@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows", "two_chunks", "two_rows"])
+@pytest.mark.parametrize("kernel", ["one_row", "one_row_streaming", "max_rows", "two_chunks", "two_rows", "lean"])
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_host_kernels(case, kernel, monkeypatch):
     """The CUDA source, run on the CPU by the host build, through the launch plan of the GPU path;
     outputs poisoned with NaN first (every element must be written). Each case on the one-row
     kernels (rope1 for angle tables, rope1c for cos/sin caches; inverse frequencies take the
     streaming kernel), on the streaming kernel given one row per thread, with all rows in one
-    thread, with two chunks per token (threads stepping over every other head), and on the
-    two-row kernel (rope2c: cos/sin caches with 16-byte vectors; the others stream)."""
+    thread, with two chunks per token (threads stepping over every other head), on the two-row
+    kernel (rope2c: cos/sin caches with 16-byte vectors; the others stream) and on the lean
+    kernel (ropel: angle tables with contiguous columns, full rotary rows, 16-byte vectors)."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if kernel.startswith("one_row") else 1)
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", kernel == "two_rows")
+    monkeypatch.setattr(_worksplit, "_LEAN", kernel == "lean")
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
     if kernel == "two_chunks":
         split_in_chunks(monkeypatch, 2)
     names, orig = [], hostkernels.launch
@@ -171,6 +174,8 @@ def test_host_kernels(case, kernel, monkeypatch):
     vec16 = bool(names) and names[0].split("_")[2] == "v%d" % (16 // q.itemsize)
     if kernel == "two_rows" and kind == "cos_sin" and vec16:
         want = "rope2c_"
+    if kernel == "lean" and kind == "angles" and vec16 and case.d2 == case.d and case.table_view != "strided":
+        want = "ropel_"
     assert all(n.startswith(want) for n in names), (kind, names)
     # a cache's cos/sin runs in whole 16-byte loads: only with 16-byte element vectors and
     # contiguous columns; a dense cache whose half rows are whole vectors gives them to its

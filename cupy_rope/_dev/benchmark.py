@@ -623,8 +623,9 @@ def plot(rows, path):
 # --tune keys: the work split's constants (cupy_rope._worksplit, each an int but MIXED, 0 or 1) and
 # DEFINES, the kernel build's extra defines
 _TUNE_INTS = ("THREADS_PER_SM", "MAX_VEC_BYTES", "ONE_ROW_BLOCK", "ONE_ROW_ANGLE_VEC", "MIXED", "ODD_UNITS_FACTOR",
-              "ODD_UNITS_MIN_ROWS", "SHARE_SINCOS", "NARROW_THREADS_PER_SM", "NARROW_SHARED_THREADS_PER_SM", "TWO_ROWS")
-_TUNE_BOOLS = ("MIXED", "SHARE_SINCOS", "TWO_ROWS")
+              "ODD_UNITS_MIN_ROWS", "SHARE_SINCOS", "NARROW_THREADS_PER_SM", "NARROW_SHARED_THREADS_PER_SM", "TWO_ROWS",
+              "LEAN", "LEAN_MIN_HEADS", "LEAN_MAX_SEQS")
+_TUNE_BOOLS = ("MIXED", "SHARE_SINCOS", "TWO_ROWS", "LEAN")
 
 
 def apply_tuning(spec: str, ap) -> None:
@@ -653,7 +654,7 @@ def main(argv=None):
     ap.add_argument("--tune", default="", help="tuning variant, this process only: comma-separated "
                     "THREADS_PER_SM=N, MAX_VEC_BYTES=N (0: 16), ONE_ROW_BLOCK=N, ONE_ROW_ANGLE_VEC=N (0: any), "
                     "MIXED=0|1, ODD_UNITS_FACTOR=N, ODD_UNITS_MIN_ROWS=N, SHARE_SINCOS=0|1, NARROW_THREADS_PER_SM=N, "
-                    "NARROW_SHARED_THREADS_PER_SM=N, TWO_ROWS=0|1, "
+                    "NARROW_SHARED_THREADS_PER_SM=N, TWO_ROWS=0|1, LEAN=0|1, LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N, "
                     "DEFINES=-DNAME=V;-DNAME=V (kernel build)")
     a = ap.parse_args(argv)
     apply_tuning(a.tune, ap)
