@@ -212,7 +212,6 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
   });
 }
 
-
 // Rows per thread of the lean kernels (rope_lean_body): the launch layer reads this define (or a
 // build's override of it) and gives a thread at most this many (cupy_rope/_worksplit.py).
 #ifndef CUPY_ROPE_LEAN_ROWS
@@ -293,7 +292,8 @@ __device__ __forceinline__ void rope_lean_body(const RopeParams& p) {
 // streaming kernel), ropem_... (the streaming kernel for rows of rotated and copied units,
 // 16-byte vectors only), rope1_... (one row per thread, angle tables), rope1c_... (one row per
 // thread, cos/sin caches), rope2c_... (two rows per thread, cos/sin caches, 16-byte vectors) or
-// ropel_... (a few rows per thread, angle tables, 16-byte vectors), taking two parameter blocks (grid row 0: the first tensor, row 1: the second, e.g. q and k).
+// ropel_... (a few rows per thread, angle tables, 16-byte vectors), taking two parameter blocks
+// (grid row 0: the first tensor, row 1: the second, e.g. q and k).
 // The launch layer appends the CUPY_ROPE_KERNEL(...) / CUPY_ROPEM_KERNEL(...) / ... lines it
 // needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \

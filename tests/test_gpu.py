@@ -113,7 +113,8 @@ def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: names.append(spec.name) or orig(spec, *a, **k))
     monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
     monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
-    for one_row, mixed, lean in ((True, True, False), (False, True, False), (False, False, False), (False, False, True)):
+    runs = ((True, True, False), (False, True, False), (False, False, False), (False, False, True))
+    for one_row, mixed, lean in runs:
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
         monkeypatch.setattr(_worksplit, "_LEAN", lean)
