@@ -810,7 +810,25 @@ def call(case: Case, backend: str, native: dict):
 
 
 def _host_call(case: Case, native: dict):
-    """The host build of the kernels through the real launch plan (valid calls only)."""
+    """The host build of the kernels through the real launch plan (valid calls only). One seed in
+    four turns the one-row kernels off and lifts the lean kernel's head and sequence limits, so
+    that the lean kernel runs every call it can (the fuzz's calls are small: the one-row kernels'
+    otherwise); the others keep the library's split."""
+    from cupy_rope import _worksplit
+
+    names = ("_ONE_ROW", "_LEAN_MIN_HEADS", "_LEAN_MAX_SEQS")
+    saved = [getattr(_worksplit, n) for n in names]
+    if case.seed % 4 == 1:
+        for n, v in zip(names, (False, 1, 2**62)):
+            setattr(_worksplit, n, v)
+    try:
+        return _host_launch(case, native)
+    finally:
+        for n, v in zip(names, saved):
+            setattr(_worksplit, n, v)
+
+
+def _host_launch(case: Case, native: dict):
     from cupy_rope import _plan
     from cupy_rope._dev import hostkernels as _hostkernels
     from cupy_rope._interop import info
