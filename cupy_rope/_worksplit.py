@@ -187,11 +187,12 @@ def shares_sincos(vals: dict, vec: int, block: int) -> bool:
 def lean_fits(vals: dict, arrays) -> bool:
     """Whether the lean kernel (``ropel``) runs a rope launch's tensor: its parameter block's
     values ``vals`` (an angle table with contiguous columns, every unit of a row rotated, at least
-    ``_LEAN_MIN_HEADS`` heads, at most ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``) and its
-    ``arrays`` (input, output: every element offset below ``_OFFSET_LIMIT``)."""
+    ``_LEAN_MIN_HEADS`` heads and never none: the kernel has no thread without a row, at most
+    ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``) and its ``arrays`` (input, output: every
+    element offset below ``_OFFSET_LIMIT``)."""
     if vals["f_kind"] != _abi.ANGLES or vals["f_scol"] != 1 or vals["n_rot_units"] != vals["n_units"]:
         return False
-    if vals["n_heads"] < _LEAN_MIN_HEADS or (vals["pos.cu_seqlens"] and vals["pos.nseq"] > _LEAN_MAX_SEQS):
+    if vals["n_heads"] < max(_LEAN_MIN_HEADS, 1) or (vals["pos.cu_seqlens"] and vals["pos.nseq"] > _LEAN_MAX_SEQS):
         return False
     return all(sum(abs(s) * (n - 1) for n, s in zip(a.shape, norm_strides(a.shape, a.strides))) < _OFFSET_LIMIT
                for a in arrays)
@@ -220,7 +221,8 @@ def _vec_arrays(*arrays):
 
 def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int = 0):
     """(block values, threads) of one tensor of a rope launch; ``rows_per_thread``: the chunks
-    that give each thread at most that many rows (the two-row kernel) instead of the work split's."""
+    that give each thread at most that many rows (the two-row and lean kernels) instead of the
+    work split's."""
     n_tok, n_inner, _ = split_tokens(plan.layout, x.shape)
     xs0, xs1 = token_strides(plan.layout, x)
     ys0, ys1 = token_strides(plan.layout, y)
@@ -228,7 +230,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int 
     n_rot, n_units, tail_w, chunks, threads = split_work(n_tok, 1, plan.heads, plan.d, plan.table.d2,
                                                          vec, sm_count, odd_units=True)
     block = 0
-    if rows_per_thread:  # the two-row kernel's split, in blocks of _kernels.BLOCK
+    if rows_per_thread:  # the two-row or lean kernel's split, in blocks of _kernels.BLOCK
         chunks, block = -(-plan.heads // rows_per_thread), _kernels.BLOCK
         threads = n_tok * chunks * n_units
     vals = dict(x=x.ptr, y=y.ptr, freqs=freqs.ptr, n_tok=n_tok, n_inner=n_inner,
@@ -252,25 +254,25 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     ``one_row_vec`` wide where the launch still has one row per thread with it and is small
     (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM`` where the wide launch's threads
     share their sincosf), and sharing each token's sincosf where ``shares_sincos`` allows; a
-    launch left to the streaming kernel with a cos/sin cache and 16-byte vectors takes the
-    two-row kernel (``_TWO_ROWS``) where its thread indices fit 32 bits.
-    ``ids``: the positions API's per-token positions."""
+    launch left to the streaming kernel with 16-byte vectors takes, where its thread indices fit
+    32 bits, the two-row kernel with a cos/sin cache (``_TWO_ROWS``), the lean kernel with an
+    angle table where ``lean_fits`` allows (``_LEAN``). ``ids``: the positions API's per-token
+    positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
     vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
     pos = _abi.pos_values(p0.pos, cu, sp, ids)
 
-    def split(v, rows_per_thread=0):
-        """(kind, parameter blocks, threads) of the launch with vectors of ``v`` elements."""
+    def split(v, rows_kind=None, rows=0):
+        """(kind, parameter blocks, threads) of the launch with vectors of ``v`` elements; with
+        ``rows_kind``, that kernel's split of at most ``rows`` rows of a token per thread."""
         blocks, threads = [], []
         for plan, (x, y) in zip(plans, tensors):
-            vals, nt = _rope_vals(plan, x, y, freqs, v, sm_count, rows_per_thread)
+            vals, nt = _rope_vals(plan, x, y, freqs, v, sm_count, rows)
             blocks.append({**vals, **pos})
             threads.append(nt)
-        kind = "rope"
-        if rows_per_thread:
-            kind = _TWO_ROW_KINDS.get(blocks[0]["f_kind"], "ropel")
-        elif _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+        kind = rows_kind or "rope"
+        if not rows_kind and _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
             kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
         return kind, blocks, threads
 
@@ -283,12 +285,13 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
         if alt[0] == kind and max(alt[2]) <= sm_count * limit:  # one row per thread, few threads
             vec, (kind, blocks, threads) = narrow, alt
     wide = vec * ITEMSIZE[p0.dtype] == _kernels.MIXED_BYTES
-    if kind == "rope" and _TWO_ROWS and wide and blocks[0]["f_kind"] in _TWO_ROW_KINDS:
-        alt = split(vec, 2)
-        if one_row_indices(max(alt[2]), _kernels.BLOCK):
-            kind, blocks, threads = alt
-    if kind == "rope" and _LEAN and wide and all(lean_fits(b, xy) for b, xy in zip(blocks, tensors)):
-        alt = split(vec, _kernels.define_value("CUPY_ROPE_LEAN_ROWS"))
+    rows_kind, rows = None, 0  # a kernel of a few rows of a token per thread, for large launches
+    if kind == "rope" and wide and _TWO_ROWS and blocks[0]["f_kind"] in _TWO_ROW_KINDS:
+        rows_kind, rows = _TWO_ROW_KINDS[blocks[0]["f_kind"]], 2
+    elif kind == "rope" and wide and _LEAN and all(lean_fits(b, xy) for b, xy in zip(blocks, tensors)):
+        rows_kind, rows = "ropel", _kernels.define_value("CUPY_ROPE_LEAN_ROWS")
+    if rows_kind:
+        alt = split(vec, rows_kind, rows)
         if one_row_indices(max(alt[2]), _kernels.BLOCK):
             kind, blocks, threads = alt
     if kind == "rope" and _MIXED and wide and any(b["n_rot_units"] < b["n_units"] for b in blocks):

@@ -3,6 +3,16 @@ from cupy_rope.testing import (NP_DTYPES, Case, inputs, make_cu_seqlens, matrix,
                                rng_for, strided)
 
 
+def use_lean(monkeypatch, on: bool = True) -> None:
+    """The lean kernel (``ropel``) on every launch it can run (``on``: its head and sequence
+    limits lifted, as the small test calls are below them), or on none."""
+    from cupy_rope import _worksplit
+
+    monkeypatch.setattr(_worksplit, "_LEAN", on)
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
+    monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
+
+
 def split_in_chunks(monkeypatch, chunks: int) -> None:
     """Make the work split give every token ``chunks`` chunks (at most its rows): threads that step
     over every ``chunks``-th row, between the split's two ends (one row per thread, one chunk)."""

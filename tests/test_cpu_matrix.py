@@ -11,7 +11,7 @@ import cupy_rope
 from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
-from cases import NP_DTYPES, inputs, matrix, split_in_chunks
+from cases import NP_DTYPES, inputs, matrix, split_in_chunks, use_lean
 from reference import assert_close_to_ref, pairs, rope_ref
 
 CASES = matrix()
@@ -32,14 +32,6 @@ def test_numpy_backend(case, backward):
     assert isinstance(y, np.ndarray) and y.dtype == x.dtype and y.flags.c_contiguous
     ref = rope_ref(x, freqs, backward=backward, **kw)
     assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, case.id())
-
-
-def use_lean(monkeypatch, on=True):
-    """The lean kernel (``ropel``) on every launch it can run (``on``; its head and sequence
-    limits lifted), or on none."""
-    monkeypatch.setattr(_worksplit, "_LEAN", on)
-    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
-    monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
 
 
 @pytest.fixture(params=["one_row", "one_row_streaming", "max_rows", "two_chunks", "lean"])
@@ -152,7 +144,7 @@ def test_one_row_angle_launch_width(monkeypatch):
     ]
     names, orig = [], _hostkernels.launch
     monkeypatch.setattr(_hostkernels, "launch", lambda n, *a: names.append(n) or orig(n, *a))
-    monkeypatch.setattr(_worksplit, "_LEAN", False)  # "the streaming kernel": not its lean form
+    use_lean(monkeypatch, False)  # "the streaming kernel": not its lean form
     for (dtype, heads, sms, cap, lim, want), freqs in itertools.product(cases, tables):
         monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", cap)
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", lim)
@@ -381,6 +373,10 @@ def test_lean_kernel_limits(dtype, monkeypatch):
     assert launch(table="strided") == "rope"  # table columns two floats apart
     assert launch(limit=size - 1) == "rope" and launch(limit=size) == "ropel"  # offsets in 31 bits
     assert launch(cu=cu, seqs=2) == "rope" and launch(cu=cu, seqs=3) == "ropel"  # sequences
+    # a tensor without heads (k of a q+k launch) never: the lean kernel has no thread without a row
+    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 0)
+    vals = {"f_kind": _abi.ANGLES, "f_scol": 1, "n_rot_units": 4, "n_units": 4, "pos.cu_seqlens": 0, "pos.nseq": 0}
+    assert _worksplit.lean_fits({**vals, "n_heads": 1}, []) and not _worksplit.lean_fits({**vals, "n_heads": 0}, [])
 
 
 def test_lean_rows_come_from_the_kernel_define(monkeypatch):

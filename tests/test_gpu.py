@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_rope
-from cases import inputs, matrix
+from cases import inputs, matrix, use_lean
 from reference import assert_close_to_ref, qkv_split_ref, rope_ref, term_scale
 
 pytestmark = pytest.mark.gpu
@@ -111,13 +111,11 @@ def test_gpu_one_row_and_streaming_kernels_agree(case, backward, monkeypatch):
     ref = rope_ref(x, freqs, backward=backward, **kw)
     names, orig = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: names.append(spec.name) or orig(spec, *a, **k))
-    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
-    monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
     runs = ((True, True, False), (False, True, False), (False, False, False), (False, False, True))
     for one_row, mixed, lean in runs:
         monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
         monkeypatch.setattr(_worksplit, "_MIXED", mixed)
-        monkeypatch.setattr(_worksplit, "_LEAN", lean)
+        use_lean(monkeypatch, lean)
         monkeypatch.setattr(_launch, "_CACHE", {})
         y = to_host(fn(to_dev(x, "cupy"), to_dev(freqs, "cupy"), **dkw), "cupy")
         assert_close_to_ref(y, ref, x, freqs.shape[-1], case.dtype, f"{case.id()} {names[-1]}")
@@ -137,7 +135,7 @@ def test_gpu_odd_units_split(dtype, backward, monkeypatch):
     from cases import NP_DTYPES
 
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 64)
-    monkeypatch.setattr(_worksplit, "_LEAN", False)  # the streaming kernel's split
+    use_lean(monkeypatch, False)  # the streaming kernel's split
     monkeypatch.setattr(_launch, "_CACHE", {})
     specs, orig = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda spec, *a, **k: specs.append(spec) or orig(spec, *a, **k))

@@ -12,6 +12,7 @@ import cupy_rope
 from cupy_rope import _abi, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels as _hostkernels
 from cupy_rope._interop import info
+from cases import use_lean
 from cupy_rope.testing import NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_pos_ref, rope_ref
 
 LAUNCHED = set()
@@ -64,8 +65,7 @@ def _run(name, tail, fw, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", v)  # rope1 at every width it has
     monkeypatch.setattr(_worksplit, "_MIXED", kind == "ropem")
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", kind == "rope2c")
-    monkeypatch.setattr(_worksplit, "_LEAN", kind == "ropel")
-    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
+    use_lean(monkeypatch, kind == "ropel")
     monkeypatch.setattr(_launch, "_CACHE", {})
     rng = np.random.default_rng(zlib.crc32(name.encode()) + tail)
     # rotary half-width h2 = v * odd: the widest valid vector is exactly v; a tail of channels

@@ -13,7 +13,7 @@ import cupy_rope.flashinfer as cfi
 import cupy_rope.vllm as crv
 from cupy_rope import _interop, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels
-from cases import split_in_chunks
+from cases import split_in_chunks, use_lean
 from reference import NP_DTYPES, assert_close_to_ref
 from cupy_rope.testing import rope_pos_ref
 
@@ -158,8 +158,7 @@ def test_host_kernels(case, kernel, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ODD_UNITS_FACTOR", 1)
     monkeypatch.setattr(_worksplit, "_ONE_ROW", kernel == "one_row")
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", kernel == "two_rows")
-    monkeypatch.setattr(_worksplit, "_LEAN", kernel == "lean")
-    monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 1)
+    use_lean(monkeypatch, kernel == "lean")
     if kernel == "two_chunks":
         split_in_chunks(monkeypatch, 2)
     names, orig = [], hostkernels.launch
