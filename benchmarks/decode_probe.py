@@ -150,12 +150,12 @@ def launcher_ex(fptr, grid, block, args, pdl, argv=None):
 _PDL_ENTER = "cupy_rope::await_previous_grid();"  # the library's wait + trigger, here at entry
 _ENTRY = r"""
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) \
-  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p) { %(pre)s BODY(p); }
+  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p) { %(pre)s BODY(p, blockIdx.x); }
 #define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) \
   extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(const PARAMS p0, const PARAMS p1) { \
     %(pre)s %(body)s }
 """
-_PAIR = "if (blockIdx.y == 0) { BODY(p0); } else { BODY(p1); }"
+_PAIR = "unsigned blk; if (cupy_rope::first_part(p0.blocks, blockIdx.x, blk)) { BODY(p0, blk); } else { BODY(p1, blk); }"
 _VARIANTS = {  # label: entry-point parts; launched with the PDL attribute when the label says so
     "launched without PDL": dict(pre="", body=_PAIR),
     "PDL (the library's)": dict(pre="", body=_PAIR),  # the body waits after its index arithmetic

@@ -2,8 +2,9 @@
 
 The field order of ``RopeParams``, ``QkvParams`` and ``PosArgs`` is read from ``kernels_cu/``
 (:func:`cupy_rope._kernels.struct_fields`); every field is a little-endian int64. A launch passes
-``blocks`` parameter blocks by value (the rope kernels take two: grid row 0 and row 1, e.g. q and
-k; a one-tensor launch sends the second block zeroed and never reads it). :class:`LaunchSpec`
+``blocks`` parameter blocks by value (the rope kernels take two, e.g. q and k: the first tensor
+runs in the grid's first ``blocks`` blocks, its block's field, the second in the rest; a one-tensor
+launch sends the second block zeroed and never reads it). :class:`LaunchSpec`
 records where each address sits, so the launch cache patches addresses without re-packing.
 """
 

@@ -202,7 +202,8 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
 
 def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank,
              inplace, backward: bool, names=("q", "k")):
-    """q and k (same tokens, positions and table) in one launch: grid row 0 runs q, row 1 k."""
+    """q and k (same tokens, positions and table) in one launch: q in the grid's first blocks, k
+    in the rest."""
     key = None
     kind = _launch.cache_kind(q)
     if kind is None and _jax_inplace_route(q, inplace):

@@ -39,8 +39,8 @@ BLOCK = 256  # threads per block; every build of the source gets it as CUPY_ROPE
 
 
 def param_blocks(name: str) -> int:
-    """Parameter blocks kernel ``name`` takes by value: the rope kernels two (one per grid row,
-    ``CUPY_ROPE_ENTRY_PAIR``), the QKV kernels one."""
+    """Parameter blocks kernel ``name`` takes by value: the rope kernels two (one per tensor,
+    each on its part of the grid: ``CUPY_ROPE_ENTRY_PAIR``), the QKV kernels one."""
     return 2 if name.split("_", 1)[0] in ROPE_KINDS else 1
 
 

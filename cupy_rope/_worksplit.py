@@ -238,7 +238,7 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int 
                 n_heads=plan.heads, d2=plan.table.d2, n_chunks=chunks, n_units=n_units,
                 n_rot_units=n_rot, tail_w=tail_w, f_rows=plan.table.rows, f_srow=plan.table.srow,
                 f_scol=plan.table.scol, f_kind=_abi.table_kind(plan.table), rot_off=plan.rot_off,
-                dv_item=0, dv_unit=0, dv_inner=0, share=0)
+                dv_item=0, dv_unit=0, dv_inner=0, share=0, blocks=0)
     if one_row_indices(threads, block):  # the one-row kernels' divisors
         vals.update(dv_item=fast_divisor(max(chunks * n_units, 1)), dv_unit=fast_divisor(max(n_units, 1)),
                     dv_inner=fast_divisor(max(n_inner, 1)))
@@ -247,9 +247,10 @@ def _rope_vals(plan, x, y, freqs, vec: int, sm_count: int, rows_per_thread: int 
 
 def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.LaunchSpec:
     """One rope launch for one or two resolved tensors (``plans`` and ``tensors`` = [(x, y), ...]
-    alike; two plans share dtype, direction, layout, positions, table and rotary slice): grid
-    row i runs tensor i. The vector width is the widest valid for every array of the launch; a
-    one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
+    alike; two plans share dtype, direction, layout, positions, table and rotary slice): each
+    tensor's blocks one after the other in a grid of one row (its block's ``blocks``, the kernels'
+    ``first_part``), so that no block of the grid is idle. The vector width is the widest valid
+    for every array of the launch; a one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
     tensor has a single row and the table holds angles or cos/sin, with an angle table at most
     ``one_row_vec`` wide where the launch still has one row per thread with it and is small
     (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM`` where the wide launch's threads
@@ -302,9 +303,12 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     if kind == "rope1":
         for b in blocks:
             b["share"] = int(shares_sincos(b, vec, block))
+    parts = [blocks_for(t, block) for t in threads]
+    for b, n in zip(blocks, parts):
+        b["blocks"] = n
     params, slots = _abi.rope_blocks(blocks[0], blocks[1] if len(blocks) > 1 else None)
     name = _kernels.kernel_name(kind, p0.dtype, vec, p0.interleaved, p0.backward)
-    return _abi.LaunchSpec(name, (blocks_for(max(threads), block), len(plans)), block, params, slots)
+    return _abi.LaunchSpec(name, (sum(parts), 1), block, params, slots)
 
 
 def qkv_launch(plan, packed, q, k, v, q_freqs, k_freqs, cu, sp, sm_count: int) -> _abi.LaunchSpec:

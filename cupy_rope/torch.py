@@ -341,6 +341,11 @@ for _name, _kernel in _PY_KERNELS.items():
         _LIB.impl(_name, _kernel, "CUDA")
 for _name in ("rope", "rope_qk", "rope_qk_", "rope_pos", "rope_pos_"):
     _LIB.impl(f"_py_{_name}", _torch_ext.resolving(_PY_KERNELS[_name]), "CUDA")
+# The autograd-free ops skip autograd altogether (a fallthrough, not torch's boxed autograd
+# fallback: about 0.6 us of a compiled graph's call, benchmarks/NOTES.md); their results carry no
+# autograd history, as the public API's.
+for _name in ("_rope_impl", "_rope_qk_impl", "_rope_pos_impl"):
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
 @torch.library.register_fake("cupy_rope::_rope_pos_impl", lib=_LIB)

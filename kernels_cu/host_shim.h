@@ -76,26 +76,30 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return (unsigned int)(((unsigned long long)a * b) >> 32);
 }
 
-// NAME(grid_x, grid_y, block, params): params holds one parameter block per grid row (the pair
-// entry) or one for all rows (the single entry). PHASES: 2 for the kernels with an exchange.
-#define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, STEP, PHASES)                                  \
+// NAME(grid_x, grid_y, block, params): params holds one parameter block for every block (the single
+// entry) or two (the pair entry: one per part of the grid, first_part); PICK: block b's, setting
+// blk, its index in its part. PHASES: 2 for the kernels with an exchange.
+#define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, PICK, PHASES)                                  \
   extern "C" void NAME(unsigned int grid, unsigned int grid_y, unsigned int block, const void* params) { \
     gridDim = {grid, grid_y, 1};                                                               \
     blockDim = {block, 1, 1};                                                                  \
+    const PARAMS* ps = static_cast<const PARAMS*>(params);                                     \
     for (unsigned int y = 0; y < grid_y; ++y) {                                                \
-      const PARAMS& p = static_cast<const PARAMS*>(params)[STEP * y];                          \
       for (unsigned int b = 0; b < grid; ++b) {                                                \
         blockIdx = {b, y, 0};                                                                  \
+        unsigned blk = b;                                                                      \
+        const PARAMS& p = PICK;                                                                \
         for (int phase = 2 - (PHASES); phase < 2; ++phase) {                                   \
           cupy_rope_host_phase = phase;                                                        \
           for (unsigned int t = 0; t < block; ++t) {                                           \
             threadIdx = {t, 0, 0};                                                             \
-            BODY(p);                                                                           \
+            BODY(p, blk);                                                                      \
           }                                                                                    \
         }                                                                                      \
       }                                                                                        \
     }                                                                                          \
   }
-#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 0, 1)
-#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1, 1)
-#define CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, 1, 2)
+#define CUPY_ROPE_HOST_PAIR (cupy_rope::first_part(ps[0].blocks, b, blk) ? ps[0] : ps[1])
+#define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, ps[0], 1)
+#define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, CUPY_ROPE_HOST_PAIR, 1)
+#define CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, PARAMS, BODY, MIN_BLOCKS) CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, CUPY_ROPE_HOST_PAIR, 2)

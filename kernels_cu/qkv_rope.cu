@@ -86,8 +86,8 @@ template <typename T, bool BACKWARD> struct GroupRows {
 };
 
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD>
-__device__ __forceinline__ void qkv_body(const QkvParams& p) {
-  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void qkv_body(const QkvParams& p, unsigned blk) {
+  const i64 item = (i64)blk * blockDim.x + threadIdx.x;
   i64 tok, rest, grp, r2, c, u, outer, inner;
   divmod(item, p.n_groups * p.n_chunks * p.n_units, tok, rest);
   if (tok >= p.n_tok) return;

@@ -28,6 +28,9 @@ struct RopeParams {
   // One-row kernels with an angle table: 1 when the threads of a block share the sincosf of their
   // token's pairs (each thread computes one pair; rope_one_body), else 0
   i64 share;
+  // Blocks of the grid this tensor's threads take: a launch of two tensors runs the first one in
+  // the grid's first `blocks` blocks, the second one in the rest (first_part)
+  i64 blocks;
   PosArgs pos;
 };
 
@@ -55,8 +58,8 @@ template <typename T> struct HeadRows {
 
 // MIXED: the mixed kernels (ropem_; stream_unit).
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool MIXED = false>
-__device__ __forceinline__ void rope_body(const RopeParams& p) {
-  const i64 item = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void rope_body(const RopeParams& p, unsigned blk) {
+  const i64 item = (i64)blk * blockDim.x + threadIdx.x;
   i64 tok, rest, c, u, outer, inner;
   divmod(item, p.n_chunks * p.n_units, tok, rest);
   if (tok >= p.n_tok) return;
@@ -125,10 +128,10 @@ __device__ __forceinline__ void for_rows(int cnt, F f) {
 // a thread that reads one (or a NaN from a NaN or infinite angle) computes its unit itself, as
 // without sharing.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool CACHE, int R = 1>
-__device__ __forceinline__ void rope_one_body(const RopeParams& p) {
+__device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk) {
   // rope_body's (tok, c, u, outer, inner) in 32 bits by multiply and shift (the launch layer runs
   // these kernels only when every thread index is below 2^31): no division before the first load.
-  const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned item = blk * blockDim.x + threadIdx.x;
   const unsigned tok32 = fast_div(item, p.dv_item);
   const unsigned rest = item - tok32 * (unsigned)(p.n_chunks * p.n_units);
   const unsigned c32 = fast_div(rest, p.dv_unit), outer32 = fast_div(tok32, p.dv_inner);
@@ -232,8 +235,8 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p) {
 // resident threads cover few tokens whole, the order a copy runs fastest in (benchmarks/NOTES.md).
 // The same bits as the other kernels: each pair is rotate_pair of the sincosf of its angles.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, int R>
-__device__ __forceinline__ void rope_lean_body(const RopeParams& p) {
-  const unsigned item = blockIdx.x * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void rope_lean_body(const RopeParams& p, unsigned blk) {
+  const unsigned item = blk * blockDim.x + threadIdx.x;
   const unsigned tok = fast_div(item, p.dv_item);
   const unsigned rest = item - tok * (unsigned)(p.n_chunks * p.n_units);
   const unsigned c = fast_div(rest, p.dv_unit), u = rest - c * (unsigned)p.n_units;
@@ -293,7 +296,7 @@ __device__ __forceinline__ void rope_lean_body(const RopeParams& p) {
 // 16-byte vectors only), rope1_... (one row per thread, angle tables), rope1c_... (one row per
 // thread, cos/sin caches), rope2c_... (two rows per thread, cos/sin caches, 16-byte vectors) or
 // ropel_... (a few rows per thread, angle tables, 16-byte vectors), taking two parameter blocks
-// (grid row 0: the first tensor, row 1: the second, e.g. q and k).
+// (the first tensor, e.g. q, in the grid's first p0.blocks blocks, the second, e.g. k, in the rest).
 // The launch layer appends the CUPY_ROPE_KERNEL(...) / CUPY_ROPEM_KERNEL(...) / ... lines it
 // needs (cupy_rope/_kernels.py).
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \

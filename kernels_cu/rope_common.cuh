@@ -834,6 +834,14 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
   return v < d2 ? v + off : (v - d2 < off ? v - d2 : v);
 }
 
+// Whether block `b` of a two-tensor launch works on the first tensor (the grid's first `blocks0`
+// blocks) or the second (the rest); `blk`: the block's index in its tensor's part.
+__device__ __forceinline__ bool first_part(i64 blocks0, unsigned b, unsigned& blk) {
+  const bool first = b < (unsigned long long)blocks0;
+  blk = first ? b : b - (unsigned)blocks0;
+  return first;
+}
+
 }  // namespace cupy_rope
 
 // Kernel entry points: one extern "C" function per instantiation (names in cupy_rope/_kernels.py).
@@ -848,17 +856,18 @@ __device__ __forceinline__ i64 row_channel(i64 v, i64 d2, i64 off) {
 #ifndef CUPY_ROPE_ENTRY
 #define CUPY_ROPE_ENTRY(NAME, PARAMS, BODY, MIN_BLOCKS)                                        \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS) NAME(const PARAMS p) { \
-    BODY(p);                                                                                     \
+    BODY(p, blockIdx.x);                                                                         \
   }
-// Two parameter blocks, one per grid row (blockIdx.y): two tensors (q and k) in one launch.
-// A launch of one tensor has gridDim.y = 1 and never reads p1.
+// Two parameter blocks (two tensors, e.g. q and k, in one launch; first_part): a launch of one
+// tensor has p0.blocks = its grid and never reads p1.
 #define CUPY_ROPE_ENTRY_PAIR(NAME, PARAMS, BODY, MIN_BLOCKS)                                   \
   extern "C" __global__ void __launch_bounds__(CUPY_ROPE_BLOCK, MIN_BLOCKS)                      \
       NAME(const PARAMS p0, const PARAMS p1) {                                                   \
-    if (blockIdx.y == 0) {                                                                       \
-      BODY(p0);                                                                                  \
+    unsigned blk;                                                                                \
+    if (cupy_rope::first_part(p0.blocks, blockIdx.x, blk)) {                                     \
+      BODY(p0, blk);                                                                             \
     } else {                                                                                     \
-      BODY(p1);                                                                                  \
+      BODY(p1, blk);                                                                             \
     }                                                                                            \
   }
 // The same for bodies with an exchange (exchange_barrier; the host build runs them in two phases).

@@ -13,6 +13,18 @@ def use_lean(monkeypatch, on: bool = True) -> None:
     monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", 2**62)
 
 
+def part_threads(block: int, params: bytes) -> int:
+    """Threads of the larger part of a rope launch (its parameter blocks' ``blocks``, each tensor's
+    share of the grid, times ``block``): what the one-row kernels' 32-bit thread index must hold."""
+    import struct
+
+    from cupy_rope import _abi
+
+    vals = struct.unpack(f"<{len(params) // 8}q", params)
+    n, i = len(_abi.ROPE_FIELDS), _abi.ROPE_FIELDS.index("blocks")
+    return block * max(vals[i::n][:2])
+
+
 def split_in_chunks(monkeypatch, chunks: int) -> None:
     """Make the work split give every token ``chunks`` chunks (at most its rows): threads that step
     over every ``chunks``-th row, between the split's two ends (one row per thread, one chunk)."""

@@ -13,7 +13,7 @@ import cupy_rope.flashinfer as cfi
 import cupy_rope.vllm as crv
 from cupy_rope import _interop, _kernels, _plan, _worksplit
 from cupy_rope._dev import hostkernels
-from cases import split_in_chunks, use_lean
+from cases import part_threads, split_in_chunks, use_lean
 from reference import NP_DTYPES, assert_close_to_ref
 from cupy_rope.testing import rope_pos_ref
 
@@ -251,7 +251,7 @@ def test_one_row_kernels_only_with_31_bit_thread_indices(margin, monkeypatch):
     monkeypatch.setattr(_worksplit, "_ONE_ROW_ANGLE_VEC", 0)
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", False)  # past the limit: the streaming kernel
     names, orig = [], hostkernels.launch
-    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1])) or orig(name, *a))
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, part_threads(*a[1:]))) or orig(name, *a))
     for case in [c for c in CASES if c.kind in ("angles", "cos_sin")][:6]:
         pos, q, k, tables, hs, kind, rows = case.arrays()
         monkeypatch.setattr(_worksplit, "_ONE_ROW_THREADS", 2**31)
@@ -277,7 +277,7 @@ def test_two_row_kernel_only_with_31_bit_thread_indices(margin, monkeypatch):
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
     monkeypatch.setattr(_worksplit, "_TWO_ROWS", True)
     names, orig = [], hostkernels.launch
-    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, a[0][0] * a[1], a[1]))
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append((name, part_threads(*a[1:]), a[1]))
                         or orig(name, *a))
     seen = 0
     for case in [c for c in CASES if c.kind in ("cos_sin", "cos_sin_t")]:

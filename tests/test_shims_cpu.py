@@ -158,6 +158,29 @@ def test_torch_opcheck():
                           (dq, dk, dv, f, f, [128, 32, 32], "sbhd", False, None, None, 1, 0))
 
 
+def test_torch_autograd_free_ops_skip_autograd():
+    """The autograd-free ops (what torch.compile's graphs call) have a fallthrough at the Autograd
+    keys, not torch's boxed autograd fallback: inputs that require grad give results without
+    autograd history (the fallback would attach a node that warns at backward), with the same
+    values as the public functions'."""
+    import cupy_rope.torch as crt
+
+    ops = torch.ops.cupy_rope
+    f = _f(32, 8)
+    x = torch.randn(8, 2, 3, 32, requires_grad=True)
+    k = torch.randn(8, 2, 1, 32, requires_grad=True)
+    pos = torch.tensor([3, 0, 7, 1, 5, 2, 6, 4])
+    outs = [ops._rope_impl(x, f, "sbhd", False, None, None, 1, 0, False, False),
+            *ops._rope_qk_impl(x, k, f, "sbhd", False, None, None, 1, 0, False),
+            *ops._rope_pos_impl(pos, x[:, 0], k[:, 0], f, "freqs", 0, False, 0, False)]
+    assert all(not o.requires_grad and o.grad_fn is None for o in outs), [o.grad_fn for o in outs]
+    with torch.no_grad():
+        want = [crt.apply_rope(x, f, "sbhd"), *crt.apply_rope_qk(x, k, f, "sbhd"),
+                *cupy_rope.apply_rope_pos(pos, x[:, 0], k[:, 0], freqs=f)]
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(o, w, rtol=0, atol=0)
+
+
 def test_torch_compile_fullgraph():
     import cupy_rope.torch as crt
 

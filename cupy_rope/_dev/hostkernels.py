@@ -240,7 +240,7 @@ def run_rope(plan, x: np.ndarray, freqs: np.ndarray, cu=None, sp=None, out=None,
 
 
 def run_rope_qk(plans, q: np.ndarray, k: np.ndarray, freqs: np.ndarray, cu=None, sp=None, outs=None):
-    """Run one rope launch for q and k (two grid rows) on NumPy arrays; returns ``outs``."""
+    """Run one rope launch for q and k (both in one grid) on NumPy arrays; returns ``outs``."""
     from .._worksplit import rope_launch
 
     outs = outs or tuple(np.empty(p.shape, a.dtype) for p, a in zip(plans, (q, k)))
