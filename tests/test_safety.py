@@ -303,6 +303,16 @@ def test_vector_width_needs_aligned_addresses():
     assert _worksplit.pick_vec("float32", [128], 128, [(4096, (6,), 1)]) == 2  # a row stride of 6
 
 
+@pytest.mark.parametrize("max_bytes, want", [(0, (8, 4)), (16, (8, 4)), (8, (4, 2)), (4, (2, 1)), (2, (1, 1))])
+def test_vector_width_honours_the_widest_vector_setting(max_bytes, want, monkeypatch):
+    """``_MAX_VEC_BYTES`` (0: 16 bytes; the benchmark harness's tuning) caps the vector width in
+    bytes: (bf16, float32) elements for an aligned, contiguous array."""
+    from cupy_rope import _worksplit
+
+    monkeypatch.setattr(_worksplit, "_MAX_VEC_BYTES", max_bytes)
+    assert tuple(_worksplit.pick_vec(dt, [128], 128, [(4096, (0,), 1)]) for dt in ("bfloat16", "float32")) == want
+
+
 def test_out_overlap_boundaries():
     """`out` right after (or before) the input in one buffer is accepted; one shared element is not."""
     buf = np.random.default_rng(0).uniform(-1, 1, 2 * X.size).astype(np.float32)
