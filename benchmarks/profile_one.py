@@ -3,7 +3,8 @@
     ncu --clock-control none --kernel-name regex:'^(rope|qkv|copy16)' --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight python3 benchmarks/profile_one.py ROW [fwd|bwd|copy] [TUNE]
 
-TUNE: the library's tuning, as benchmarks/run.py --tune takes it (e.g. LEAN=1).
+TUNE: the library's tuning, as benchmarks/run.py --tune takes it (e.g. LEAN=1). The serving rows
+(positions API, 11 and 12) take fwd or bwd (the inverse rotation); their copy is not here.
 """
 import os
 import sys
@@ -23,6 +24,15 @@ def main():
 
         B.apply_tuning(sys.argv[3], argparse.ArgumentParser())
     spec = {r: s for r, _, s in B.SHAPES}[rid]
+    if spec.get("serving"):  # the positions API: q and k in place, in one launch
+        import cupy_rope
+
+        pos, qs, ks, cache, d, _ = B.serving_inputs(spec)
+        for i in range(4):
+            cupy_rope.apply_rope_pos(pos, qs[i % len(qs)], ks[i % len(ks)], cos_sin_cache=cache, head_size=d,
+                                     inverse=what == "bwd", inplace=True)
+        torch.cuda.synchronize()
+        return
     p = B.Problem(spec)
     if what == "copy":
         half = (p.bytes // 2 + 15) // 16 * 16

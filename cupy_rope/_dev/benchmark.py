@@ -443,8 +443,10 @@ def vllm_native(positions, q, k, cache, head_size):
     return out
 
 
-def run_serving_row(rid, desc, spec, quick=False, peers=True):
-    """A positions-API row: q and k rotated in place in one launch (fwd), or by the inverse (bwd)."""
+def serving_inputs(spec):
+    """A positions-API row's inputs (torch, CUDA): ``(pos, qs, ks, cache, d, per)``, ``qs``/``ks``
+    the buffers the timed calls rotate in turn (enough to leave the L2 cold), ``per`` the bytes of
+    one q and k."""
     import torch
 
     import cupy_rope
@@ -458,6 +460,17 @@ def run_serving_row(rid, desc, spec, quick=False, peers=True):
     qs = [torch.empty(t, hq * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
     ks = [torch.empty(t, hk * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
     pos = torch.randint(0, 8192, (t,), device=dev, generator=g)
+    return pos, qs, ks, cache, d, per
+
+
+def run_serving_row(rid, desc, spec, quick=False, peers=True):
+    """A positions-API row: q and k rotated in place in one launch (fwd), or by the inverse (bwd)."""
+    import torch
+
+    import cupy_rope
+
+    pos, qs, ks, cache, d, per = serving_inputs(spec)
+    t, nbuf = pos.shape[0], len(qs)
     nbytes = 2 * per + t * d * 4
     n_launch = nbuf * max(1, (4 if quick else 12) // nbuf) if per > 2**20 else (100 if quick else 400)
     idx = [i % nbuf for i in range(n_launch)]
