@@ -76,25 +76,24 @@ static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
   return (unsigned int)(((unsigned long long)a * b) >> 32);
 }
 
-// NAME(grid_x, grid_y, block, params): params holds one parameter block for every block (the single
-// entry) or two (the pair entry: one per part of the grid, first_part); PICK: block b's, setting
-// blk, its index in its part. PHASES: 2 for the kernels with an exchange.
+// NAME(grid, block, params): a grid of one row (every launch's); params holds one parameter block
+// for every block (the single entry) or two (the pair entry: one per part of the grid,
+// first_part); PICK: block b's, setting blk, its index in its part. PHASES: 2 for the kernels with
+// an exchange.
 #define CUPY_ROPE_HOST_ENTRY(NAME, PARAMS, BODY, PICK, PHASES)                                  \
-  extern "C" void NAME(unsigned int grid, unsigned int grid_y, unsigned int block, const void* params) { \
-    gridDim = {grid, grid_y, 1};                                                               \
+  extern "C" void NAME(unsigned int grid, unsigned int block, const void* params) {          \
+    gridDim = {grid, 1, 1};                                                                    \
     blockDim = {block, 1, 1};                                                                  \
     const PARAMS* ps = static_cast<const PARAMS*>(params);                                     \
-    for (unsigned int y = 0; y < grid_y; ++y) {                                                \
-      for (unsigned int b = 0; b < grid; ++b) {                                                \
-        blockIdx = {b, y, 0};                                                                  \
-        unsigned blk = b;                                                                      \
-        const PARAMS& p = PICK;                                                                \
-        for (int phase = 2 - (PHASES); phase < 2; ++phase) {                                   \
-          cupy_rope_host_phase = phase;                                                        \
-          for (unsigned int t = 0; t < block; ++t) {                                           \
-            threadIdx = {t, 0, 0};                                                             \
-            BODY(p, blk);                                                                      \
-          }                                                                                    \
+    for (unsigned int b = 0; b < grid; ++b) {                                                  \
+      blockIdx = {b, 0, 0};                                                                    \
+      unsigned blk = b;                                                                        \
+      const PARAMS& p = PICK;                                                                  \
+      for (int phase = 2 - (PHASES); phase < 2; ++phase) {                                     \
+        cupy_rope_host_phase = phase;                                                          \
+        for (unsigned int t = 0; t < block; ++t) {                                             \
+          threadIdx = {t, 0, 0};                                                               \
+          BODY(p, blk);                                                                        \
         }                                                                                      \
       }                                                                                        \
     }                                                                                          \

@@ -404,6 +404,13 @@ def test_lean_rows_come_from_the_kernel_define(monkeypatch):
             assert_close_to_ref(y, rope_ref(x, f), x, 64, "float32", f"lean rows {rows}")
 
 
+def test_host_build_runs_grids_of_one_row():
+    """The launch layer's grids have one row (a two-tensor launch puts both tensors' blocks in it):
+    the host build refuses any other before it runs a block."""
+    with pytest.raises(ValueError, match="expected one row"):
+        _hostkernels.launch("rope_f32_v1_n_f", (1, 2), 32, b"")
+
+
 @pytest.mark.parametrize("kernel", ["one_row", "streaming"])
 @pytest.mark.parametrize("misaligned", ["input", "output"])
 def test_host_build_raises_on_misaligned_vectors(misaligned, kernel, monkeypatch):

@@ -73,7 +73,7 @@ def library() -> ctypes.CDLL:
         raise RuntimeError(f"host build failed: {e}") from None
     lib = ctypes.CDLL(str(so))
     for n in names:
-        getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]
+        getattr(lib, n).argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_char_p]  # grid, block, params
     lib.cupy_rope_count.argtypes, lib.cupy_rope_count.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_longlong
     return lib
 
@@ -146,11 +146,14 @@ def nvrtc_cubin(arch: str = "sm_90") -> bytes:
 
 
 def launch(name: str, grid: tuple, block: int, params: bytes) -> None:
-    """Run kernel ``name`` over ``grid`` = (x, y) blocks of ``block`` threads on the CPU. Raises
-    ``RuntimeError`` where a vector load or store met an address that is not a multiple of its
-    size (on the GPU a misaligned address error; the CPU would carry on)."""
+    """Run kernel ``name`` over ``grid`` = (x, 1) blocks of ``block`` threads on the CPU (the
+    launch layer's grids have one row). Raises ``RuntimeError`` where a vector load or store met an
+    address that is not a multiple of its size (on the GPU a misaligned address error; the CPU
+    would carry on), ``ValueError`` for a grid of more rows."""
+    if grid[1] != 1:
+        raise ValueError(f"host build: {name}: grid {grid}, expected one row")
     _count("misaligned")
-    getattr(library(), name)(grid[0], grid[1], block, params)
+    getattr(library(), name)(grid[0], block, params)
     misaligned = _count("misaligned")
     if misaligned:
         raise RuntimeError(f"host build: {name} made {misaligned} vector accesses at misaligned addresses")
