@@ -250,11 +250,12 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     alike; two plans share dtype, direction, layout, positions, table and rotary slice): each
     tensor's blocks one after the other in a grid of one row (its block's ``blocks``, the kernels'
     ``first_part``), so that no block of the grid is idle. The vector width is the widest valid
-    for every array of the launch; a one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK`` threads) when every thread of every
-    tensor has a single row and the table holds angles or cos/sin, with an angle table at most
-    ``one_row_vec`` wide where the launch still has one row per thread with it and is small
-    (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM`` where the wide launch's threads
-    share their sincosf), and sharing each token's sincosf where ``shares_sincos`` allows; a
+    for every array of the launch; a one-row kernel runs it (in blocks of ``_ONE_ROW_BLOCK``
+    threads) when every thread of every tensor has a single row and the table holds angles or
+    cos/sin, with an angle table at most ``one_row_vec`` wide where the launch still has one row
+    per thread with it and is small (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM``
+    where the wide launch's threads share their sincosf), and sharing each token's sincosf where
+    ``shares_sincos`` allows; a
     launch left to the streaming kernel with 16-byte vectors takes, where its thread indices fit
     32 bits, the two-row kernel with a cos/sin cache (``_TWO_ROWS``), the lean kernel with an
     angle table where ``lean_fits`` allows (``_LEAN``). ``ids``: the positions API's per-token
@@ -273,7 +274,8 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
             blocks.append({**vals, **pos})
             threads.append(nt)
         kind = rows_kind or "rope"
-        if not rows_kind and _ONE_ROW and one_row_indices(max(threads)) and all(b["n_chunks"] >= b["n_heads"] for b in blocks):
+        one_row = all(b["n_chunks"] >= b["n_heads"] for b in blocks)  # every thread a single row
+        if not rows_kind and _ONE_ROW and one_row_indices(max(threads)) and one_row:
             kind = _ONE_ROW_KINDS.get(blocks[0]["f_kind"], kind)  # one table: one kind for both blocks
         return kind, blocks, threads
 
