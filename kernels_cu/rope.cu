@@ -153,6 +153,15 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
   for (int j = 1; j < R; ++j) cnt += c + j * p.n_chunks < p.n_heads;
   const i64 xstep = p.n_chunks * p.xsh, ystep = p.n_chunks * p.ysh;
   await_previous_grid();
+  // The token's position: loaded before the row's vectors by the one-row cache kernels (whose
+  // cache loads wait for it), after the rows' vectors by the others (measured both ways on the
+  // H200, benchmarks/NOTES.md: decode with a cache 1.42-1.46 against 1.52-1.56 µs; the angle
+  // table's decode and the two-row prefill no faster or slower).
+  constexpr bool kPositionFirst = CACHE && R == 1;
+  i64 pos = 0;
+  bool valid = false;
+  auto position = [&] { valid = live && rot && token_position(p.pos, outer, inner, pos); };
+  if constexpr (kPositionFirst) position();
   Vec<T, V> a[R], b[R];
   if (live) {
     for_rows<R>(cnt, [&](int j) {
@@ -160,8 +169,7 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
       if (pair) b[j] = load_vec<T, V>(x + j * xstep + dr * p.xsd);
     });
   }
-  i64 pos = 0;
-  const bool valid = live && rot && token_position(p.pos, outer, inner, pos);
+  if constexpr (!kPositionFirst) position();
   const bool rotated = in_table(valid, pos, p.f_rows);
   const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
   const int m = (int)(c % V);  // this thread's pair of its unit in the exchange
