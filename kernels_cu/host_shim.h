@@ -23,11 +23,13 @@
 // [2] vector loads and stores at an address that is not a multiple of their size (the GPU
 // faults on them; here they are skipped, as the CPU's aligned 16-byte moves would fault the
 // process, and the host launcher raises on any), [3] units whose cos/sin came from a cache in
-// whole 16-byte loads (cache_sincos).
-static long long cupy_rope_counts[4] = {0, 0, 0, 0};
+// whole 16-byte loads (cache_sincos), [4] threads of one-row launches that loaded their token's
+// position before their rows' vectors (rope.cu).
+static long long cupy_rope_counts[5] = {0, 0, 0, 0, 0};
 #define CUPY_ROPE_COUNT_UNSHARED() (++cupy_rope_counts[0])
 #define CUPY_ROPE_COUNT_FRESH() (++cupy_rope_counts[1])
 #define CUPY_ROPE_COUNT_CACHE_VEC() (++cupy_rope_counts[3])
+#define CUPY_ROPE_COUNT_POSITION_FIRST() (++cupy_rope_counts[4])
 #define CUPY_ROPE_ALIGNED(p, n) (reinterpret_cast<unsigned long long>(p) % (n) == 0 || (++cupy_rope_counts[2], false))
 extern "C" long long cupy_rope_count(int which, int reset) {
   const long long n = cupy_rope_counts[which];

@@ -161,7 +161,10 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
   i64 pos = 0;
   bool valid = false;
   auto position = [&] { valid = live && rot && token_position(p.pos, outer, inner, pos); };
-  if constexpr (kPositionFirst) position();
+  if constexpr (kPositionFirst) {
+    CUPY_ROPE_COUNT_POSITION_FIRST();
+    position();
+  }
   Vec<T, V> a[R], b[R];
   if (live) {
     for_rows<R>(cnt, [&](int j) {

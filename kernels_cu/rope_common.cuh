@@ -293,6 +293,11 @@ __device__ __forceinline__ bool exchange_barrier(bool sync) {
 #ifndef CUPY_ROPE_COUNT_CACHE_VEC
 #define CUPY_ROPE_COUNT_CACHE_VEC()
 #endif
+// A thread that loaded its token's position before its rows' vectors (rope.cu, rope_one_body):
+// counted by the host build for its tests.
+#ifndef CUPY_ROPE_COUNT_POSITION_FIRST
+#define CUPY_ROPE_COUNT_POSITION_FIRST()
+#endif
 
 // Quotient and remainder; 32-bit division when both fit (64-bit division is slow).
 __device__ __forceinline__ void divmod(i64 a, i64 b, i64& q, i64& r) {

@@ -164,7 +164,7 @@ def test_host_kernels(case, kernel, monkeypatch):
     names, orig = [], hostkernels.launch
     monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
     pos, q, k, tables, hs, kind, rows = case.arrays()
-    hostkernels.cache_vector_count()  # reset
+    hostkernels.cache_vector_count(), hostkernels.position_first_count()  # reset
     outs = _run_host(case, pos, q, k, tables, hs)
     case.check(pos, q, k, tables, kind, rows, outs[0].reshape(q.shape),
                None if k is None else outs[1].reshape(k.shape), hs)
@@ -176,6 +176,8 @@ def test_host_kernels(case, kernel, monkeypatch):
     if kernel == "lean" and kind == "angles" and vec16 and case.d2 == case.d and case.table_view != "strided":
         want = "ropel_"
     assert all(n.startswith(want) for n in names), (kind, names)
+    # the one-row cache kernel, and only it, loads the token's position before the row's vectors
+    assert (hostkernels.position_first_count() > 0) == any(n.startswith("rope1c_") for n in names), names
     # a cache's cos/sin runs in whole 16-byte loads: only with 16-byte element vectors and
     # contiguous columns; a dense cache whose half rows are whole vectors gives them to its
     # first unit at least, wherever a position falls in the table

@@ -79,7 +79,7 @@ def library() -> ctypes.CDLL:
 
 
 # The host build's counters (host_shim.h: cupy_rope_counts), by index.
-_COUNTERS = {"unshared": 0, "fresh": 1, "misaligned": 2, "cache_vector": 3}
+_COUNTERS = {"unshared": 0, "fresh": 1, "misaligned": 2, "cache_vector": 3, "position_first": 4}
 
 
 def _count(which: str, reset: bool = True) -> int:
@@ -102,6 +102,12 @@ def cache_vector_count(reset: bool = True) -> int:
     """Units since the last reset whose cos/sin came from a cache in whole 16-byte loads (rows
     with contiguous, aligned columns) rather than one load per value."""
     return _count("cache_vector", reset)
+
+
+def position_first_count(reset: bool = True) -> int:
+    """Threads of one-row launches since the last reset that loaded their token's position before
+    their rows' vectors (the one-row kernels with a cos/sin cache, ``rope1c``)."""
+    return _count("position_first", reset)
 
 
 def _nvrtc_options(arch: str, defines=()) -> list:
