@@ -104,9 +104,10 @@ __device__ __forceinline__ void for_rows(int cnt, F f) {
 
 // One row per thread: the launches whose work split gives every thread a single row (C = n_heads:
 // decode steps and other small calls; the launch layer picks this kernel then). rope_body's
-// arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors are loaded first,
-// so that their loads overlap the position and table loads, and there is no streaming loop, so
-// that the code a launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
+// arithmetic for cnt = 1, in the order that suits a lone row: the row's vectors and the token's
+// position are loaded before the table, so that their loads overlap (the position first where a
+// cos/sin cache's loads wait on it, below), and there is no streaming loop, so that the code a
+// launch fetches into a cold instruction cache stays small (benchmarks/NOTES.md).
 // CACHE false: angle tables (f_kind kAngles; rope1_ kernels); true: cos/sin caches (kinds
 // kCosSin32, kCosSinT; rope1c_ kernels). The launch layer keeps inverse frequencies on the
 // streaming kernel.
@@ -154,9 +155,9 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
   const i64 xstep = p.n_chunks * p.xsh, ystep = p.n_chunks * p.ysh;
   await_previous_grid();
   // The token's position: loaded before the row's vectors by the one-row cache kernels (whose
-  // cache loads wait for it), after the rows' vectors by the others (measured both ways on the
-  // H200, benchmarks/NOTES.md: decode with a cache 1.42-1.46 against 1.52-1.56 µs; the angle
-  // table's decode and the two-row prefill no faster or slower).
+  // cache loads wait for it), after the rows' vectors by the others. Measured both ways on the
+  // H200 (benchmarks/NOTES.md): the cache decode row 1.42-1.46 µs first against 1.52-1.56 after;
+  // the angle table's decode and the two-row cache kernel's prefill were slower with it first.
   constexpr bool kPositionFirst = CACHE && R == 1;
   i64 pos = 0;
   bool valid = false;
