@@ -255,11 +255,10 @@ def rope_launch(plans, tensors, freqs, cu, sp, sm_count: int, ids=None) -> _abi.
     cos/sin, with an angle table at most ``one_row_vec`` wide where the launch still has one row
     per thread with it and is small (``_NARROW_THREADS_PER_SM``; ``_NARROW_SHARED_THREADS_PER_SM``
     where the wide launch's threads share their sincosf), and sharing each token's sincosf where
-    ``shares_sincos`` allows; a
-    launch left to the streaming kernel with 16-byte vectors takes, where its thread indices fit
-    32 bits, the two-row kernel with a cos/sin cache (``_TWO_ROWS``), the lean kernel with an
-    angle table where ``lean_fits`` allows (``_LEAN``). ``ids``: the positions API's per-token
-    positions."""
+    ``shares_sincos`` allows; a launch left to the streaming kernel with 16-byte vectors takes,
+    where its thread indices fit 32 bits, the two-row kernel with a cos/sin cache (``_TWO_ROWS``),
+    the lean kernel with an angle table where ``lean_fits`` allows (``_LEAN``). ``ids``: the
+    positions API's per-token positions."""
     p0 = plans[0]
     arrays = [a for xy in tensors for a in xy]
     vec = pick_vec(p0.dtype, [p.d for p in plans], p0.table.d2, _vec_arrays(*arrays), p0.rot_off)
