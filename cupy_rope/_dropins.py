@@ -1,7 +1,8 @@
-"""What the serving drop-ins (``cupy_rope.vllm``, ``cupy_rope.flashinfer``) share: the positions
-API reached through the caller's framework (torch tensors through the torch ops, so the drop-ins
-work under ``torch.compile`` and in CUDA graphs; CuPy/NumPy/JAX arrays through the public API),
-and inverse-frequency tables kept per device."""
+"""What the drop-ins share: errors that name the original API's arguments (all of them:
+``cupy_rope.te``, ``cupy_rope.vllm``, ``cupy_rope.flashinfer``); for the serving drop-ins, the
+positions API reached through the caller's framework (torch tensors through the torch ops, so
+the drop-ins work under ``torch.compile`` and in CUDA graphs; CuPy/NumPy/JAX arrays through the
+public API), and inverse-frequency tables kept per device."""
 
 from __future__ import annotations
 
@@ -24,22 +25,17 @@ def rope_pos(names: dict, positions, q, k, **kw):
             return crt.apply_rope_pos(positions, q, k, **kw)
         return _api.apply_rope_pos(positions, q, k, **kw)
     except (TypeError, ValueError) as e:
-        msg = str(e)
-        for ours, theirs in names.items():
-            msg = msg.replace(f"`{ours}`", f"`{theirs}`")
-        if msg == str(e):
-            raise
-        raise type(e)(msg) from None
+        raise renamed(e, names) from None
 
 
-def check_number(name: str, v, lo: float) -> float:
-    """A real number > ``lo`` (``rope_theta``, ``rope_scale`` and the like)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
-        raise TypeError(f"cupy_rope: `{name}`: expected a number, got {type(v).__name__} {v!r}")
-    f = float(v)
-    if not f > lo:
-        raise ValueError(f"cupy_rope: `{name}`: expected a number > {lo}, got {v!r}")
-    return f
+def renamed(e: Exception, names: dict) -> Exception:
+    """``e`` (a ``TypeError``/``ValueError`` of the library) with the arguments it names in
+    backticks renamed by ``names`` (the library's name -> the original API's); ``e`` itself
+    when it names none of them."""
+    msg = str(e)
+    for ours, theirs in names.items():
+        msg = msg.replace(f"`{ours}`", f"`{theirs}`")
+    return e if msg == str(e) else type(e)(msg)
 
 
 def inv_freq_like(like, rotary_dim: int, theta: float, scaling: dict | None):

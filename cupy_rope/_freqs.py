@@ -9,6 +9,9 @@ import numpy as np
 from . import _interop, _plan
 
 
+MAX_ROWS = 2**31  # bound on a table's rows and width (2^31 rows of one float32 pair: 16 GiB)
+
+
 def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleaved=False,
                seq_len_interpolation_factor=None, pretrained_max_position_embeddings=None, offset=0,
                like=None):
@@ -27,16 +30,23 @@ def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleave
         >>> cupy_rope.rope_freqs(128, 4096, base=500000.0).shape
         (4096, 1, 1, 128)
     """
-    dim = _plan.check_int("dim", dim, lo=1)
-    max_seq_len = _plan.check_int("max_seq_len", max_seq_len, lo=0)
+    dim = _plan.check_int("dim", dim, lo=1, hi=MAX_ROWS)
+    max_seq_len = _plan.check_int("max_seq_len", max_seq_len, lo=0, hi=MAX_ROWS)
     interleaved = _plan.check_bool("interleaved", interleaved)
-    rp = float(rotary_percent)
-    if not 0.0 < rp <= 1.0:
+    rp = _plan.check_number("rotary_percent", rotary_percent, 0.0)
+    if not rp <= 1.0:
         raise ValueError(f"cupy_rope: `rotary_percent`: expected 0 < rotary_percent <= 1, got {rotary_percent}")
+    base = _plan.check_number("base", base, 0.0)
+    offset = _plan.check_int("offset", offset)
+    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
+    if F is not None:
+        F = _plan.check_number("seq_len_interpolation_factor", F, 0.0)
+    if P is not None:
+        P = _plan.check_int("pretrained_max_position_embeddings", P, lo=1)
     dimp = int(dim * rp) if rp < 1.0 else dim
     if dimp < 1:
         raise ValueError(f"cupy_rope: `rotary_percent`: expected int(dim * rotary_percent) >= 1, got {dimp}")
-    kind = _interop.kind_of(like) if like is not None else "numpy"
+    kind = _interop.kind_of(like, "like") if like is not None else "numpy"
     if kind == "torch":  # TE's own ops on the tensor's device: bit-identical to TE's table there
         import torch
 
@@ -52,17 +62,16 @@ def rope_freqs(dim, max_seq_len, *, rotary_percent=1.0, base=10000.0, interleave
     # spec section 2, in float32 throughout (Python scalars act in float32, as in TE)
     exps = arange(0, dimp, 2) / dimp
     if kind == "torch":
-        inv_freq = 1.0 / (float(base) ** exps)
+        inv_freq = 1.0 / (base ** exps)
     else:  # powf correctly rounded (through float64), then the float32 reciprocal
         inv_freq = f32(1.0) / (np.float64(f32(base)) ** exps.astype(np.float64)).astype(f32)
     seq = arange(max_seq_len) + offset
-    P, F = pretrained_max_position_embeddings, seq_len_interpolation_factor
     if P is not None and F is not None:
         scale = 1 / (max_seq_len / P) if max_seq_len > P * F else 1 / F
         seq = seq * (scale if kind == "torch" else f32(scale))
     f = xp.outer(seq, inv_freq)
     if interleaved:
-        emb = xp.stack([f, f], -1).reshape(max_seq_len, -1)
+        emb = xp.stack([f, f], -1).reshape(max_seq_len, 2 * f.shape[-1])  # (no -1: max_seq_len may be 0)
     else:
         emb = xp.concatenate([f, f], -1)
     emb = emb.reshape(max_seq_len, 1, 1, emb.shape[-1])
@@ -115,15 +124,14 @@ def rope_inv_freq(rotary_dim, base=10000.0, rope_scaling=None, *, max_position_e
         >>> inv.shape, att
         ((64,), 1.0)
     """
-    dim = _plan.check_int("rotary_dim", rotary_dim, lo=2)
+    dim = _plan.check_int("rotary_dim", rotary_dim, lo=2, hi=MAX_ROWS)
     if dim % 2:
         raise ValueError(f"cupy_rope: `rotary_dim`: expected an even rotary width, got {dim}")
-    try:
-        base = float(base)
-    except (TypeError, ValueError):
-        raise TypeError(f"cupy_rope: `base`: expected a number, got {type(base).__name__} {base!r}") from None
-    if not base > 1.0:
-        raise ValueError(f"cupy_rope: `base`: expected a base > 1, got {base}")
+    base = _plan.check_number("base", base, 1.0)
+    if seq_len is not None:
+        seq_len = _plan.check_int("seq_len", seq_len, lo=0)
+    if max_position_embeddings is not None:
+        max_position_embeddings = _plan.check_int("max_position_embeddings", max_position_embeddings, lo=1)
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise TypeError(f"cupy_rope: `rope_scaling`: expected a dict or None, got {type(rope_scaling).__name__}")
     sc = dict(rope_scaling or {})
@@ -203,7 +211,7 @@ def _need_mpe(mpe, rtype):
     if mpe is None:
         raise ValueError(f"cupy_rope: `max_position_embeddings`: expected the model config's value for "
                          f"rope_type {rtype!r}, got None")
-    return _plan.check_int("max_position_embeddings", mpe, lo=1)
+    return mpe
 
 
 def rope_cos_sin_cache(rotary_dim, max_position, base=10000.0, rope_scaling=None, *,
@@ -225,10 +233,9 @@ def rope_cos_sin_cache(rotary_dim, max_position, base=10000.0, rope_scaling=None
     """
     inv, att = rope_inv_freq(rotary_dim, base, rope_scaling, max_position_embeddings=max_position_embeddings,
                              seq_len=seq_len)
-    n = _plan.check_int("max_position", max_position, lo=0)
+    n = _plan.check_int("max_position", max_position, lo=0, hi=MAX_ROWS)
     offset = _plan.check_int("offset", offset, lo=0)
-    if dtype not in _plan.FLOAT_DTYPES:
-        raise ValueError(f"cupy_rope: `dtype`: expected one of {_plan.FLOAT_DTYPES}, got {dtype!r}")
+    dtype = _dtype_name(dtype)
     ang = (offset + np.arange(n, dtype=np.float64))[:, None] * inv[None, :]
     cache = np.concatenate([np.cos(ang) * att, np.sin(ang) * att], axis=1)
     if dtype == "bfloat16":
@@ -238,6 +245,19 @@ def rope_cos_sin_cache(rotary_dim, max_position, base=10000.0, rope_scaling=None
     else:
         cache = cache.astype(dtype)
     return to_like(np.ascontiguousarray(cache), like)
+
+
+def _dtype_name(dtype) -> str:
+    """``dtype`` (a name, NumPy dtype or scalar type) as one of the float dtypes' names."""
+    try:
+        if not isinstance(dtype, (str, np.dtype, type)):
+            raise TypeError
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"cupy_rope: `dtype`: expected a dtype (e.g. 'bfloat16'), got {type(dtype).__name__}") from None
+    if name not in _plan.FLOAT_DTYPES:
+        raise ValueError(f"cupy_rope: `dtype`: expected one of {_plan.FLOAT_DTYPES}, got {dtype!r}")
+    return name
 
 
 def to_like(a: np.ndarray, like):

@@ -113,13 +113,25 @@ def _rope_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
 _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
-def _per_rank(cp_size, cp_rank, fn):
-    """``fn(rank)`` for a static rank, or a ``lax.switch`` over all ranks for a traced one
-    (e.g. ``jax.lax.axis_index("cp")`` inside ``shard_map``)."""
+def _per_rank(layout, interleaved, cp_size, cp_rank, fn):
+    """``fn(layout, interleaved, cp_size, rank)`` with the options checked, for a static rank, or
+    a ``lax.switch`` over all ranks for a traced one (a scalar integer array, e.g.
+    ``jax.lax.axis_index("cp")`` inside ``shard_map``)."""
     if isinstance(cp_rank, (int, np.integer)):
-        return fn(int(cp_rank))
-    branches = [functools.partial(lambda r, _: fn(r), r) for r in range(int(cp_size))]
+        return fn(*_plan.check_options(layout, interleaved, cp_size, cp_rank))
+    layout, interleaved, cp_size, _ = _plan.check_options(layout, interleaved, cp_size, 0)
+    traced = isinstance(cp_rank, jax.Array)
+    if not (traced and cp_rank.shape == () and jnp.issubdtype(cp_rank.dtype, jnp.integer)):
+        got = f"shape {tuple(cp_rank.shape)} {cp_rank.dtype}" if traced else type(cp_rank).__name__
+        raise _plan._terr("cp_rank", "an int or a scalar integer JAX array (e.g. jax.lax.axis_index)", got)
+    branches = [functools.partial(lambda r, _: fn(layout, interleaved, cp_size, r), r) for r in range(cp_size)]
     return jax.lax.switch(jnp.asarray(cp_rank, jnp.int32), branches, None)
+
+
+def _arrays(optional=("cu_seqlens", "start_positions"), **named) -> None:
+    """JAX (or NumPy) arrays, tracers included, or None where the name is in ``optional``:
+    anything else is a ``TypeError`` naming the argument."""
+    _plan.check_arrays((jax.Array, np.ndarray), "a JAX array", optional, **named)
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
@@ -135,8 +147,9 @@ def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, s
         >>> crj.apply_rope(jnp.ones((16, 1, 2, 64)), f).shape
         (16, 1, 2, 64)
     """
-    return _per_rank(cp_size, cp_rank, lambda r: _rope(x, freqs, cu_seqlens, start_positions, layout,
-                                                       bool(interleaved), int(cp_size), r, False))
+    _arrays(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _rope(x, freqs, cu_seqlens, start_positions, *o, False))
 
 
 def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
@@ -151,8 +164,9 @@ def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seq
         >>> crj.apply_rope_backward(jnp.ones((16, 1, 2, 64)), f).shape
         (16, 1, 2, 64)
     """
-    return _per_rank(cp_size, cp_rank, lambda r: _rope(grad, freqs, cu_seqlens, start_positions, layout,
-                                                       bool(interleaved), int(cp_size), r, True))
+    _arrays(grad=grad, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _rope(grad, freqs, cu_seqlens, start_positions, *o, True))
 
 
 # ----------------------------------------------------------------------------- q and k, one launch
@@ -242,8 +256,9 @@ def apply_rope_qk(q, k, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=N
         >>> q.shape, k.shape
         ((16, 1, 4, 64), (16, 1, 2, 64))
     """
-    return _per_rank(cp_size, cp_rank, lambda r: _qk(q, k, freqs, (cu_seqlens, start_positions), layout,
-                                                     bool(interleaved), int(cp_size), r, False))
+    _arrays(q=q, k=k, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _qk(q, k, freqs, (cu_seqlens, start_positions), *o, False))
 
 
 def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
@@ -257,8 +272,9 @@ def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, c
         >>> gq.shape
         (16, 1, 4, 64)
     """
-    return _per_rank(cp_size, cp_rank, lambda r: _qk(dq, dk, freqs, (cu_seqlens, start_positions), layout,
-                                                     bool(interleaved), int(cp_size), r, True))
+    _arrays(dq=dq, dk=dk, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _qk(dq, dk, freqs, (cu_seqlens, start_positions), *o, True))
 
 
 # ----------------------------------------------------------------------------- positions API
@@ -329,6 +345,7 @@ def apply_rope_pos(positions, q, k=None, *, cos_sin_cache=None, freqs=None, inv_
     """
     tables = {"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq}
     tname, table = _plan.pick_table(tables)
+    _arrays(("k",), positions=positions, q=q, k=k, **{tname: table})
     hs = None if head_size is None else _plan.check_int("head_size", head_size, lo=1)
     outs = _pos(positions, q, k, table, tname, hs, _plan.check_bool("interleaved", interleaved),
                 _plan.check_int("rope_dim_offset", rope_dim_offset, lo=0), _plan.check_bool("inverse", inverse))
@@ -347,8 +364,9 @@ def fused_views(shape, layout: str, num_q_heads=None, num_kv_heads=None):
         if shape[nlead] != 3:
             raise _plan._err("qkv", f"dimension {nlead} of size 3 (q, k, v) for a stacked projection",
                              f"shape {shape}")
-        if num_q_heads is not None or num_kv_heads is not None:
-            raise _plan._err("num_q_heads", "None for a stacked [.., 3, h, d] projection", num_q_heads)
+        for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+            if v is not None:
+                raise _plan._err(name, "None for a stacked [.., 3, h, d] projection", repr(v))
         lead, lst = shape[:nlead], st[:nlead]
         q = (lead + shape[-2:], lst + st[-2:], 0)
         return [q, (q[0], q[1], st[nlead])]
@@ -421,9 +439,10 @@ def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_h
         >>> q.shape
         (2, 16, 4, 64)
     """
+    _arrays(qkv=qkv, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     views = _hashable_views(fused_views(qkv.shape, layout, num_q_heads, num_kv_heads))
-    return _per_rank(cp_size, cp_rank, lambda r: _fused(qkv, freqs, (cu_seqlens, start_positions), views,
-                                                        layout, bool(interleaved), int(cp_size), r, False))
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _fused(qkv, freqs, (cu_seqlens, start_positions), views, *o, False))
 
 
 # ----------------------------------------------------------------------------- packed QKV
@@ -506,11 +525,6 @@ _qkv_fwd_p.defvjp(_qkv_fwd_fwd, _qkv_fwd_bwd)
 _qkv_bwd_p.defvjp(_qkv_bwd_fwd, _qkv_bwd_bwd)
 
 
-def _static_split(groups, width, split, num_q_heads, arg):
-    n, d = _plan.qkv_heads(split, num_q_heads, groups, width, arg)
-    return (n * d, d, d)
-
-
 def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None, interleaved=False,
                    cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
     """:func:`cupy_rope.apply_qkv_rope` for JAX arrays: ``(q, k, v)``, differentiable in ``qkv``.
@@ -522,9 +536,10 @@ def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_he
         >>> q.shape
         (8, 1, 8, 64)
     """
-    sp = _static_split(qkv.shape[-2], qkv.shape[-1], split, num_q_heads, "qkv")
-    return _per_rank(cp_size, cp_rank, lambda r: _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions),
-                                                            sp, layout, bool(interleaved), int(cp_size), r))
+    _arrays(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    sp = _plan.qkv_split(qkv.shape, split, num_q_heads)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions), sp, *o))
 
 
 def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_heads=None,
@@ -539,10 +554,14 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
         ...                             jnp.ones((8, 1, 2, 64)), f, f).shape
         (8, 1, 2, 384)
     """
+    _arrays(dq=dq, dk=dk, dv=dv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
+            start_positions=start_positions)
+    for name, a in (("dq", dq), ("dk", dk)):
+        if a.ndim < 2:
+            raise _plan._err(name, "a 3-D or 4-D array [.., heads, d]", f"shape {tuple(a.shape)}")
     g, d = dk.shape[-2], dk.shape[-1]
     n = dq.shape[-2] // max(g, 1)
-    sp = _static_split(g, (n + 2) * d, split, num_q_heads, "dqkv") if (split is not None or num_q_heads is not None) \
-        else (n * d, d, d)
-    return _per_rank(cp_size, cp_rank, lambda r: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs,
-                                                            (cu_seqlens, start_positions), sp, layout,
-                                                            bool(interleaved), int(cp_size), r))
+    sp = _plan.qkv_split((g, (n + 2) * d), split, num_q_heads, "dqkv") \
+        if (split is not None or num_q_heads is not None) else (n * d, d, d)
+    return _per_rank(layout, interleaved, cp_size, cp_rank,
+                     lambda *o: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs, (cu_seqlens, start_positions), sp, *o))

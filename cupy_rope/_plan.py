@@ -92,6 +92,34 @@ def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int
     return v
 
 
+def check_number(name: str, v, lo: float) -> float:
+    """A real number > ``lo`` (a Python or NumPy number, or anything with ``__float__`` that
+    converts: a one-element tensor); bools are not numbers here."""
+    if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
+        raise _terr(name, "a number", f"{type(v).__name__} {v!r}")
+    try:
+        f = float(v)
+    except (TypeError, ValueError, RuntimeError):  # e.g. an array of several elements
+        raise _terr(name, "a number", f"{type(v).__name__} of shape {tuple(getattr(v, 'shape', ()))}") from None
+    if not f > lo:
+        raise _err(name, f"a number > {lo}", repr(v))
+    return f
+
+
+def check_arrays(kind, expected: str, optional=(), **named) -> None:
+    """Each of ``named`` an instance of ``kind`` (a type or tuple of types), or None where its
+    name is in ``optional``: a framework shim's arrays, checked before they reach an op or a
+    trace, so that anything else is a ``TypeError`` naming the argument."""
+    for name, v in named.items():
+        if not isinstance(v, kind) and not (v is None and name in optional):
+            raise _terr(name, expected, "None" if v is None else f"{type(v).__name__} {_short(v)}")
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def check_bool(name: str, v) -> bool:
     if not isinstance(v, bool):
         try:
@@ -180,14 +208,27 @@ class Positions:
 MAX_CP_SIZE = 2**31
 
 
-def resolve_positions(layout: str, tokens_shape: tuple, tables: dict, cu_seqlens, start_positions,
-                      cp_size, cp_rank, x_name: str = "x") -> Positions:
-    """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,);
-    ``tables`` = {argument name: rows} of the angle tables the positions index."""
+def check_cp(cp_size, cp_rank) -> tuple[int, int]:
+    """Context parallelism: ``1 <= cp_size < 2^31``, ``0 <= cp_rank < cp_size`` (Python ints)."""
     cp_size = check_int("cp_size", cp_size, lo=1, hi=MAX_CP_SIZE)
     cp_rank = check_int("cp_rank", cp_rank, lo=0)
     if cp_rank >= cp_size:
         raise _err("cp_rank", f"0 <= cp_rank < cp_size = {cp_size}", cp_rank)
+    return cp_size, cp_rank
+
+
+def check_options(layout, interleaved, cp_size, cp_rank) -> tuple:
+    """The rope entry points' options, as the public API checks them: ``(layout, interleaved,
+    cp_size, cp_rank)`` with NumPy ints and bools made Python's. For the framework shims, whose
+    ops or traces take these values before the public API would see them."""
+    return (check_layout(layout), check_bool("interleaved", interleaved)) + check_cp(cp_size, cp_rank)
+
+
+def resolve_positions(layout: str, tokens_shape: tuple, tables: dict, cu_seqlens, start_positions,
+                      cp_size, cp_rank, x_name: str = "x") -> Positions:
+    """Spec 5 and 7 checks of the position arguments; ``tokens_shape`` = (s, b) or (t,);
+    ``tables`` = {argument name: rows} of the angle tables the positions index."""
+    cp_size, cp_rank = check_cp(cp_size, cp_rank)
     check_index("cu_seqlens", cu_seqlens)
     check_index("start_positions", start_positions)
     if layout == "thd":
@@ -433,8 +474,11 @@ def check_split(split) -> tuple[int, int, int]:
     """``split``: a sequence of three positive ints ``(q_size, k_size, v_size)``."""
     import numpy as np
 
-    ok = not isinstance(split, (str, bytes)) and hasattr(split, "__len__") and len(split) == 3 and all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in split)
+    try:
+        ok = not isinstance(split, (str, bytes)) and len(split) == 3 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in split)
+    except TypeError:  # no length (None, a number, a 0-d array)
+        ok = False
     if not ok:
         raise _terr("split", "three ints (q_size, k_size, v_size)", repr(split))
     sizes = tuple(int(v) for v in split)
@@ -471,6 +515,15 @@ def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[in
     return n, width // (n + 2)
 
 
+def qkv_split(shape, split, num_q_heads, arg: str = "qkv") -> tuple[int, int, int]:
+    """``(q_size, k_size, v_size)`` of a packed projection of ``shape`` ``[.., g, (n + 2) * d]``
+    from ``split`` or ``num_q_heads`` (the framework shims' static split)."""
+    if len(shape) < 2:
+        raise _err(arg, "a 3-D or 4-D array [.., g, (n + 2) * d]", f"shape {tuple(shape)}")
+    n, d = qkv_heads(split, num_q_heads, shape[-2], shape[-1], arg)
+    return (n * d, d, d)
+
+
 def _qkv_common(layout, lead_shape, groups, n, d, ref: ArrayInfo, ref_name, q_freqs, k_freqs,
                 interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward) -> QkvPlan:
     check_same_device(ref_name, ref, {"q_freqs": q_freqs, "k_freqs": k_freqs,
@@ -482,7 +535,7 @@ def _qkv_common(layout, lead_shape, groups, n, d, ref: ArrayInfo, ref_name, q_fr
     same = q_freqs.ptr == k_freqs.ptr and qt == kt and q_freqs.ptr != 0
     tokens_shape = split_tokens(layout, lead_shape + (0,))[2]
     pos = resolve_positions(layout, tokens_shape, {"q_freqs": qt.rows, "k_freqs": kt.rows}, cu_seqlens,
-                            start_positions, cp_size, cp_rank)
+                            start_positions, cp_size, cp_rank, x_name=ref_name)
     return QkvPlan(layout=layout, interleaved=interleaved, backward=backward, dtype=ref.dtype,
                    lead_shape=tuple(lead_shape), groups=groups, n_q=n, d=d, q_table=qt,
                    k_table=kt, k_same_table=same, pos=pos)

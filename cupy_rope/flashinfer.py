@@ -74,7 +74,7 @@ def _pos_ids_call(q, k, pos_ids, rotary_dim, interleave, theta, scaling, inplace
     if q.ndim != 3:
         raise ValueError(f"cupy_rope: `q`: expected [nnz, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
     rd = _dropins.check_rotary_dim(rotary_dim, q.shape[-1])
-    inv = _dropins.inv_freq_like(q, rd, _dropins.check_number("rope_theta", theta, 1.0), scaling)
+    inv = _dropins.inv_freq_like(q, rd, _plan.check_number("rope_theta", theta, 1.0), scaling)
     return _dropins.rope_pos({"positions": "pos_ids"}, pos_ids, q, k, inv_freq=inv,
                              interleaved=_plan.check_bool("interleave", interleave), inplace=inplace)
 
@@ -150,7 +150,7 @@ def apply_rope_inplace(q, k, indptr, offsets, rotary_dim=None, interleave: bool 
 
 
 def _linear(rope_scale):
-    f = _dropins.check_number("rope_scale", rope_scale, 0.0)
+    f = _plan.check_number("rope_scale", rope_scale, 0.0)
     return None if f == 1.0 else {"rope_type": "linear", "factor": f}
 
 
@@ -187,11 +187,11 @@ def apply_rope_pos_ids_inplace(q, k, pos_ids, rotary_dim=None, interleave: bool 
 
 
 def _llama31(rope_scale, low_freq_factor, high_freq_factor, old_context_len):
-    lo = _dropins.check_number("low_freq_factor", low_freq_factor, 0.0)
-    hi = _dropins.check_number("high_freq_factor", high_freq_factor, lo)
-    return {"rope_type": "llama3", "factor": _dropins.check_number("rope_scale", rope_scale, 0.0),
+    lo = _plan.check_number("low_freq_factor", low_freq_factor, 0.0)
+    hi = _plan.check_number("high_freq_factor", high_freq_factor, lo)
+    return {"rope_type": "llama3", "factor": _plan.check_number("rope_scale", rope_scale, 0.0),
             "low_freq_factor": lo, "high_freq_factor": hi,
-            "original_max_position_embeddings": _dropins.check_number("old_context_len", old_context_len, 0.0)}
+            "original_max_position_embeddings": _plan.check_number("old_context_len", old_context_len, 0.0)}
 
 
 def apply_llama31_rope(q, k, indptr, offsets, rotary_dim=None, interleave: bool = False, rope_scale: float = 8,

@@ -16,8 +16,9 @@ Example::
 from __future__ import annotations
 
 import enum
+import operator
 
-from . import _api
+from . import _api, _dropins
 
 
 class NVTE_QKV_Format(enum.IntEnum):
@@ -45,17 +46,67 @@ def _layout(qkv_format) -> str:
     if name in ("NVTE_SBHD", "NVTE_BSHD", "NVTE_THD"):
         return name[5:].lower()
     try:
-        return _NAMES[NVTE_QKV_Format(int(qkv_format))]
+        if isinstance(qkv_format, bool):
+            raise TypeError
+        return _NAMES[NVTE_QKV_Format(operator.index(qkv_format))]
     except (ValueError, TypeError, KeyError):
         raise ValueError(f"cupy_rope.te: `qkv_format`: expected 'sbhd', 'bshd', 'thd' or "
                          f"NVTE_QKV_Format.NVTE_SBHD/BSHD/THD, got {qkv_format!r}") from None
 
 
+# The library's argument names -> TE's, for errors.
+_FWD_NAMES = {"x": "input", "layout": "qkv_format"}
+_BWD_NAMES = {"grad": "output_grads", "layout": "qkv_format"}
+_QKV_NAMES = {"qkv": "qkv_input", "split": "qkv_split_arg_list", "layout": "qkv_format"}
+_QKV_BWD_NAMES = {"dq": "q_grad_out", "dk": "k_grad_out", "dv": "v_grad_out", "split": "qkv_split_arg_list",
+                  "layout": "qkv_format"}
+
+
+def _flag(name: str, v) -> bool:
+    """A flag as TE's extension converts it (pybind11: None is false; a number, NumPy scalar or
+    one-element tensor by its truth value; no strings, lists or other objects)."""
+    if v is None:
+        return False
+    try:
+        if getattr(type(v), "__bool__", None) is None:
+            raise TypeError
+        return bool(v)
+    except (TypeError, ValueError, RuntimeError):  # e.g. an array of several elements
+        raise TypeError(f"cupy_rope.te: `{name}`: expected a bool, got {type(v).__name__} {v!r}") from None
+
+
+def _index(name: str, v) -> int:
+    """An int as TE's extension converts it (pybind11: ints and objects with ``__index__``; no
+    floats, no strings)."""
+    try:
+        return operator.index(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"cupy_rope.te: `{name}`: expected an int, got {type(v).__name__} {v!r}") from None
+
+
+def _options(interleaved, cp_size, cp_rank) -> tuple:
+    """``(interleaved, cp_size, cp_rank)`` converted as TE's extension converts them."""
+    if type(interleaved) is bool and type(cp_size) is int and type(cp_rank) is int:  # the common case
+        return interleaved, cp_size, cp_rank
+    return _flag("interleaved", interleaved), _index("cp_size", cp_size), _index("cp_rank", cp_rank)
+
+
+def _split(v) -> tuple:
+    try:
+        return tuple(v)
+    except TypeError:
+        raise TypeError(f"cupy_rope.te: `qkv_split_arg_list`: expected a list of three ints, got "
+                        f"{type(v).__name__} {v!r}") from None
+
+
 def fused_rope_forward(input, freqs, start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank):
     """TE's ``fused_rope_forward``: see :func:`cupy_rope.apply_rope`."""
-    return _api.apply_rope(input, freqs, _layout(qkv_format), interleaved=bool(interleaved),
-                           cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=int(cp_size),
-                           cp_rank=int(cp_rank))
+    il, cs, cr = _options(interleaved, cp_size, cp_rank)
+    try:
+        return _api.apply_rope(input, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
+                               start_positions=start_positions, cp_size=cs, cp_rank=cr)
+    except (TypeError, ValueError) as e:
+        raise _dropins.renamed(e, _FWD_NAMES) from None
 
 
 def _is_format(v) -> bool:
@@ -72,25 +123,37 @@ def fused_rope_backward(output_grads, freqs, start_positions, qkv_format, interl
     if cp_rank is None and _is_format(start_positions):
         start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank = (
             None, start_positions, qkv_format, interleaved, cu_seqlens, cp_size)
-    return _api.apply_rope_backward(output_grads, freqs, _layout(qkv_format), interleaved=bool(interleaved),
-                                    cu_seqlens=cu_seqlens, start_positions=start_positions,
-                                    cp_size=int(cp_size), cp_rank=int(cp_rank))
+    il, cs, cr = _options(interleaved, cp_size, cp_rank)
+    try:
+        return _api.apply_rope_backward(output_grads, freqs, _layout(qkv_format), interleaved=il,
+                                        cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs,
+                                        cp_rank=cr)
+    except (TypeError, ValueError) as e:
+        raise _dropins.renamed(e, _BWD_NAMES) from None
 
 
 def fused_qkv_rope_forward(qkv_input, q_freqs, k_freqs, start_positions, qkv_split_arg_list, qkv_format,
                            interleaved, cp_size, cp_rank, cu_seqlens=None):
     """TE's ``fused_qkv_rope_forward`` -> ``(q, k, v)``; ``cu_seqlens=`` adds thd (beyond TE)."""
-    return _api.apply_qkv_rope(qkv_input, q_freqs, k_freqs, tuple(qkv_split_arg_list), _layout(qkv_format),
-                               interleaved=bool(interleaved), cu_seqlens=cu_seqlens,
-                               start_positions=start_positions, cp_size=int(cp_size), cp_rank=int(cp_rank))
+    il, cs, cr = _options(interleaved, cp_size, cp_rank)
+    try:
+        return _api.apply_qkv_rope(qkv_input, q_freqs, k_freqs, _split(qkv_split_arg_list), _layout(qkv_format),
+                                   interleaved=il, cu_seqlens=cu_seqlens, start_positions=start_positions,
+                                   cp_size=cs, cp_rank=cr)
+    except (TypeError, ValueError) as e:
+        raise _dropins.renamed(e, _QKV_NAMES) from None
 
 
 def fused_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs, qkv_split_arg_list,
                             qkv_format, interleaved, cp_size, cp_rank, start_positions=None, cu_seqlens=None):
     """TE's ``fused_qkv_rope_backward`` -> packed gradient. Honours ``start_positions=``
     (TE's ignores it, giving wrong gradients with offsets)."""
-    return _api.apply_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs,
-                                        tuple(qkv_split_arg_list), _layout(qkv_format),
-                                        interleaved=bool(interleaved), cu_seqlens=cu_seqlens,
-                                        start_positions=start_positions, cp_size=int(cp_size),
-                                        cp_rank=int(cp_rank))
+    il, cs, cr = _options(interleaved, cp_size, cp_rank)
+    try:
+        return _api.apply_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs,
+                                            _split(qkv_split_arg_list), _layout(qkv_format), interleaved=il,
+                                            cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs,
+                                            cp_rank=cr)
+    except (TypeError, ValueError) as e:
+        raise _dropins.renamed(e, _QKV_BWD_NAMES) from None
+

@@ -27,6 +27,8 @@ import torch.autograd.forward_ad as _fwad
 
 from . import _api, _freqs, _launch, _plan, _torch_ext
 
+_I64 = 2**63  # the ops' int arguments are int64
+
 
 # ----------------------------------------------------------------------------- ops
 # The single-tensor and q+k ops are defined on the dispatcher directly (``torch.library.Library``):
@@ -481,10 +483,23 @@ _qkv_bwd_op.register_autograd(_qkv_bwd_grad, setup_context=_qkv_bwd_setup)
 def _check_tensors(**named) -> None:
     """The ops take tensors only: a ``TypeError`` naming the argument (not a dispatcher schema
     dump) for anything else; ``cu_seqlens``/``start_positions`` may be None."""
-    for name, v in named.items():
-        if not isinstance(v, torch.Tensor) and not (v is None and name in ("cu_seqlens", "start_positions")):
-            got = "None" if v is None else type(v).__name__
-            raise TypeError(f"cupy_rope.torch: `{name}`: expected a torch.Tensor, got {got}")
+    _plan.check_arrays(torch.Tensor, "a torch.Tensor", ("cu_seqlens", "start_positions"), **named)
+
+
+def _options(layout, interleaved, cp_size, cp_rank) -> tuple:
+    """The ops' options checked as the public API checks them, before torch's argument parser
+    sees them (it would take None or 1.5 as a bool, and reject others with an unnamed error);
+    the common case by type alone."""
+    if (type(layout) is str and type(interleaved) is bool and type(cp_size) is int and type(cp_rank) is int
+            and 0 <= cp_rank < cp_size < _plan.MAX_CP_SIZE):
+        return layout, interleaved, cp_size, cp_rank
+    if torch.compiler.is_compiling():  # symbolic ints (dynamic shapes) go to the op as they are
+        return layout, interleaved, cp_size, cp_rank
+    return _plan.check_options(layout, interleaved, cp_size, cp_rank)
+
+
+def _flag(name: str, v) -> bool:
+    return v if type(v) is bool else _plan.check_bool(name, v)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, interleaved: bool = False,
@@ -519,7 +534,9 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
 def _dispatch_rope(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom):
     """The autograd kernel's logic without the dispatcher trip. Under torch.compile the
     autograd.Function is traced and the graph calls the autograd-free op."""
-    return _rope_autograd(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward, tom)
+    layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
+    return _rope_autograd(x, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward,
+                          _flag("transpose_output_memory", tom))
 
 
 def apply_rope_backward(grad: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", **kw) -> torch.Tensor:
@@ -587,15 +604,14 @@ def apply_rope_qk_backward(dq: torch.Tensor, dk: torch.Tensor, freqs: torch.Tens
 def _dispatch_qk(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, inplace, backward):
     names = ("dq", "dk") if backward else ("q", "k")
     _check_tensors(**{names[0]: q, names[1]: k}, freqs=freqs, cu_seqlens=cu, start_positions=sp)
-    if inplace is True:
+    layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
+    if _flag("inplace", inplace):
         if torch.compiler.is_compiling():
             torch.ops.cupy_rope.rope_qk_.default(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank,
                                                  backward)
         else:
             _rope_qk_inplace_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
         return q, k
-    if inplace is not False:
-        raise TypeError(f"cupy_rope.torch: `inplace`: expected a bool, got {type(inplace).__name__} {inplace!r}")
     return _rope_qk_autograd(q, k, freqs, layout, interleaved, cu, sp, cp_size, cp_rank, backward)
 
 
@@ -623,9 +639,9 @@ def apply_rope_pos(positions: torch.Tensor, q: torch.Tensor, k: Optional[torch.T
     """
     tname, table = _plan.pick_table({"cos_sin_cache": cos_sin_cache, "freqs": freqs, "inv_freq": inv_freq})
     _check_tensors(positions=positions, q=q, **{tname: table}, **({"k": k} if k is not None else {}))
-    static = (tname, 0 if head_size is None else _plan.check_int("head_size", head_size, lo=1),
-              _plan.check_bool("interleaved", interleaved), _plan.check_int("rope_dim_offset", rope_dim_offset, lo=0),
-              _plan.check_bool("inverse", inverse))
+    static = (tname, 0 if head_size is None else _plan.check_int("head_size", head_size, lo=1, hi=_I64),
+              _plan.check_bool("interleaved", interleaved),
+              _plan.check_int("rope_dim_offset", rope_dim_offset, lo=0, hi=_I64), _plan.check_bool("inverse", inverse))
     if _plan.check_bool("inplace", inplace):
         if torch.compiler.is_compiling():
             torch.ops.cupy_rope.rope_pos_.default(positions, q, k, table, *static)
@@ -634,13 +650,6 @@ def apply_rope_pos(positions: torch.Tensor, q: torch.Tensor, k: Optional[torch.T
         return q, k
     outs = _rope_pos_autograd(positions, q, k, table, *static)
     return outs[0], (outs[1] if k is not None else None)
-
-
-def _split(qkv_last: int, groups: int, split, num_q_heads):
-    from ._plan import qkv_heads
-
-    n, d = qkv_heads(split, num_q_heads, groups, qkv_last, "qkv")
-    return [n * d, d, d]
 
 
 def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, split=None,
@@ -658,9 +667,8 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
         torch.Size([8, 1, 2, 384])
     """
     _check_tensors(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
-    if qkv.dim() < 2:
-        raise ValueError(f"cupy_rope.torch: `qkv`: expected a 3-D or 4-D tensor, got shape {tuple(qkv.shape)}")
-    sp = _split(qkv.shape[-1], qkv.shape[-2], split, num_q_heads)
+    sp = list(_plan.qkv_split(qkv.shape, split, num_q_heads))
+    layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
     args = (q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
     if _forward_mode(qkv):
         return _linear_dual(lambda t: _qkv_op(t, *args), qkv)
@@ -687,7 +695,10 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
         self.rotary_base, self.interleaved = rotary_base, interleaved
-        _freqs.rope_freqs(dim, 0, rotary_percent=rotary_percent, base=rotary_base)  # validate now
+        _plan.check_number("rotary_base", rotary_base, 0.0)
+        _freqs.rope_freqs(dim, 0, rotary_percent=rotary_percent, base=rotary_base, interleaved=interleaved,
+                          seq_len_interpolation_factor=seq_len_interpolation_factor,
+                          pretrained_max_position_embeddings=pretrained_max_position_embeddings)  # validate now
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
