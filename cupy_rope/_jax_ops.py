@@ -537,7 +537,7 @@ def apply_qkv_rope(qkv, q_freqs, k_freqs, split=None, layout="sbhd", *, num_q_he
         (8, 1, 8, 64)
     """
     _arrays(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
-    sp = _plan.qkv_split(qkv.shape, split, num_q_heads)
+    sp = _plan.qkv_split(qkv.shape, split, num_q_heads, layout)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
                      lambda *o: _qkv_fwd_p(qkv, q_freqs, k_freqs, (cu_seqlens, start_positions), sp, *o))
 
@@ -561,7 +561,7 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
             raise _plan._err(name, "a 3-D or 4-D array [.., heads, d]", f"shape {tuple(a.shape)}")
     g, d = dk.shape[-2], dk.shape[-1]
     n = dq.shape[-2] // max(g, 1)
-    sp = _plan.qkv_split((g, (n + 2) * d), split, num_q_heads, "dqkv") \
+    sp = _plan.qkv_split((g, (n + 2) * d), split, num_q_heads) \
         if (split is not None or num_q_heads is not None) else (n * d, d, d)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
                      lambda *o: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs, (cu_seqlens, start_positions), sp, *o))

@@ -515,11 +515,22 @@ def qkv_heads(split, num_q_heads, groups: int, width: int, arg: str) -> tuple[in
     return n, width // (n + 2)
 
 
-def qkv_split(shape, split, num_q_heads, arg: str = "qkv") -> tuple[int, int, int]:
+def check_qkv_ndim(shape, layout: str) -> None:
+    """A packed projection's rank for ``layout`` (a checked layout)."""
+    want = 3 if layout == "thd" else 4
+    if len(shape) != want:
+        dims = "[t, g, (n+2)*d]" if layout == "thd" else f"[{', '.join(layout[:2])}, g, (n+2)*d]"
+        raise _err("qkv", f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(shape)}")
+
+
+def qkv_split(shape, split, num_q_heads, layout=None) -> tuple[int, int, int]:
     """``(q_size, k_size, v_size)`` of a packed projection of ``shape`` ``[.., g, (n + 2) * d]``
-    from ``split`` or ``num_q_heads`` (the framework shims' static split)."""
-    if len(shape) < 2:
-        raise _err(arg, "a 3-D or 4-D array [.., g, (n + 2) * d]", f"shape {tuple(shape)}")
+    from ``split`` or ``num_q_heads`` (the framework shims' static split), its layout and rank
+    checked first where ``layout`` is given (as :func:`resolve_qkv` does); without it, ``shape``
+    is the gradient's ``(g, (n + 2) * d)``."""
+    if layout is not None:
+        check_qkv_ndim(shape, check_layout(layout))
+    arg = "qkv" if layout is not None else "dqkv"
     n, d = qkv_heads(split, num_q_heads, shape[-2], shape[-1], arg)
     return (n * d, d, d)
 
@@ -547,10 +558,7 @@ def resolve_qkv(qkv: ArrayInfo, q_freqs, k_freqs, split, layout, num_q_heads, in
     layout = check_layout(layout)
     interleaved = check_bool("interleaved", interleaved)
     check_float_input("qkv", qkv)
-    want = 3 if layout == "thd" else 4
-    if qkv.ndim != want:
-        dims = "[t, g, (n+2)*d]" if layout == "thd" else f"[{', '.join(layout[:2])}, g, (n+2)*d]"
-        raise _err("qkv", f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(qkv.shape)}")
+    check_qkv_ndim(qkv.shape, layout)
     groups, width = qkv.shape[-2], qkv.shape[-1]
     n, d = qkv_heads(split, num_q_heads, groups, width, "qkv")
     return _qkv_common(layout, tuple(qkv.shape[:-2]), groups, n, d, qkv, "qkv", q_freqs, k_freqs,

@@ -526,7 +526,8 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd", *, in
                              "carries a forward-mode tangent (an explicit output is not differentiable), "
                              "got a tensor")
         return _api.apply_rope(x, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
-                               start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out=out)
+                               start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out=out,
+                               transpose_output_memory=transpose_output_memory)
     return _dispatch_rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank, False,
                           transpose_output_memory)
 
@@ -667,7 +668,7 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
         torch.Size([8, 1, 2, 384])
     """
     _check_tensors(qkv=qkv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
-    sp = list(_plan.qkv_split(qkv.shape, split, num_q_heads))
+    sp = list(_plan.qkv_split(qkv.shape, split, num_q_heads, layout))
     layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
     args = (q_freqs, k_freqs, sp, layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
     if _forward_mode(qkv):

@@ -20,6 +20,10 @@ index contents out of range or garbage, and with some probability one invalid ar
   divisible by ``2*cp_size``): the CPU backends raise naming ``cu_seqlens``; the GPU runs them
   (no check without debug mode) and must stay inside its arrays (compute-sanitizer memcheck).
 
+With torch tensors, half of the seeds call the torch shim's function of the same name
+(``cupy_rope.torch``: its own checks, its autograd kernels and, on CUDA, its C++ launch path)
+instead of the public API (:func:`via`; the case description shows ``via``).
+
 Backends: ``numpy`` and ``torch-cpu`` (the NumPy backend through the public API), ``host`` (the
 real ``kernels_cu`` source built with g++, through the real launch plan; valid calls only),
 ``cupy`` and ``torch-cuda`` (the CUDA kernels). Replay one case::
@@ -787,25 +791,40 @@ def _pos_call_args(case: Case, native: dict):
     return (native["positions"], native["q"], native.get("k")), dict(case.kw, **tables)
 
 
+def via(case: Case, backend: str) -> str:
+    """What the call goes through: the public API (``"api"``), or, for torch tensors on half of
+    the seeds, the torch shim's function of the same name (``"torch"``: ``cupy_rope.torch``, its
+    own checks and autograd kernels, on CUDA its C++ launch path). The shim has no packed-QKV
+    backward, and its ``apply_rope_backward`` takes no ``out``."""
+    if not backend.startswith("torch") or case.entry == "qkv_bwd":
+        return "api"
+    if case.entry == "rope_bwd" and ("out" in case.arrays or "out" in case.lists or case.out_is_input):
+        return "api"
+    return "torch" if np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
+
+
+_ENTRY_FNS = {"rope": "apply_rope", "rope_bwd": "apply_rope_backward", "qk": "apply_rope_qk",
+              "qk_bwd": "apply_rope_qk_backward", "qkv": "apply_qkv_rope", "qkv_bwd": "apply_qkv_rope_backward",
+              "pos": "apply_rope_pos"}
+
+
 def call(case: Case, backend: str, native: dict):
-    """Run the case's entry point on ``backend``'s arrays."""
+    """Run the case's entry point on ``backend``'s arrays (through :func:`via`'s module)."""
+    if case.meta.get("via") == "torch":
+        import cupy_rope.torch as module
+    else:
+        module = cupy_rope
+    fn = getattr(module, _ENTRY_FNS[case.entry])
     if case.entry == "pos":
         args, kw = _pos_call_args(case, native)
-        return cupy_rope.apply_rope_pos(*args, **kw)
+        return fn(*args, **kw)
     kw = _call_kwargs(case, native)
     pos = _positional(case, native)
-    if case.entry in QK_NAMES:
-        fn = cupy_rope.apply_rope_qk if case.entry == "qk" else cupy_rope.apply_rope_qk_backward
-        layout = kw.pop("layout", "sbhd")
-        return fn(*pos, layout, **kw)
+    layout = kw.pop("layout", "sbhd")
     if case.entry.startswith("qkv"):
         split = kw.pop("split", None)
         kw.pop("out", None)
-        fn = cupy_rope.apply_qkv_rope if case.entry == "qkv" else cupy_rope.apply_qkv_rope_backward
-        layout = kw.pop("layout", "sbhd")
         return fn(*pos, split, layout, **kw)
-    fn = cupy_rope.apply_rope if case.entry == "rope" else cupy_rope.apply_rope_backward
-    layout = kw.pop("layout", "sbhd")
     return fn(*pos, layout, **kw)
 
 
@@ -989,6 +1008,7 @@ def check_valid(case: Case, result, vals: dict, backend: str):
 def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     """Draw and run one case; raises AssertionError on any violation. Returns a short outcome."""
     case = draw(seed, backend)
+    case.meta["via"] = via(case, backend)
     if verbose:
         print(case.describe())
     if backend == "host" and (case.expect_error or case.lists):
