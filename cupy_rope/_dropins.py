@@ -20,12 +20,23 @@ def rope_pos(names: dict, positions, q, k, **kw):
     to the original API's (e.g. ``query``, ``key``, ``pos_ids``)."""
     try:
         if _interop.kind_of(q, names.get("q", "q")) == "torch":
-            from . import torch as crt
-
-            return crt.apply_rope_pos(positions, q, k, **kw)
+            return _torch_shim().apply_rope_pos(positions, q, k, **kw)
         return _api.apply_rope_pos(positions, q, k, **kw)
     except (TypeError, ValueError) as e:
         raise renamed(e, names) from None
+
+
+def _torch_shim():
+    """``cupy_rope.torch``, imported on the first call on torch tensors (not per call)."""
+    global _TORCH
+    if _TORCH is None:
+        from . import torch as crt
+
+        _TORCH = crt
+    return _TORCH
+
+
+_TORCH = None
 
 
 def renamed(e: Exception, names: dict) -> Exception:
