@@ -556,12 +556,7 @@ def apply_qkv_rope_backward(dq, dk, dv, q_freqs, k_freqs, split=None, layout="sb
     """
     _arrays(dq=dq, dk=dk, dv=dv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
             start_positions=start_positions)
-    for name, a in (("dq", dq), ("dk", dk)):
-        if a.ndim < 2:
-            raise _plan._err(name, "a 3-D or 4-D array [.., heads, d]", f"shape {tuple(a.shape)}")
-    g, d = dk.shape[-2], dk.shape[-1]
-    n = dq.shape[-2] // max(g, 1)
-    sp = _plan.qkv_split((g, (n + 2) * d), split, num_q_heads) \
-        if (split is not None or num_q_heads is not None) else (n * d, d, d)
+    n, d = _plan.qkv_backward_heads(_info(dq), _info(dk), _info(dv), split, _plan.check_layout(layout), num_q_heads)
+    sp = (n * d, d, d)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
                      lambda *o: _qkv_bwd_p((dq, dk, dv), q_freqs, k_freqs, (cu_seqlens, start_positions), sp, *o))

@@ -523,15 +523,12 @@ def check_qkv_ndim(shape, layout: str) -> None:
         raise _err("qkv", f"a {want}-D tensor {dims} for layout {layout!r}", f"shape {tuple(shape)}")
 
 
-def qkv_split(shape, split, num_q_heads, layout=None) -> tuple[int, int, int]:
+def qkv_split(shape, split, num_q_heads, layout) -> tuple[int, int, int]:
     """``(q_size, k_size, v_size)`` of a packed projection of ``shape`` ``[.., g, (n + 2) * d]``
-    from ``split`` or ``num_q_heads`` (the framework shims' static split), its layout and rank
-    checked first where ``layout`` is given (as :func:`resolve_qkv` does); without it, ``shape``
-    is the gradient's ``(g, (n + 2) * d)``."""
-    if layout is not None:
-        check_qkv_ndim(shape, check_layout(layout))
-    arg = "qkv" if layout is not None else "dqkv"
-    n, d = qkv_heads(split, num_q_heads, shape[-2], shape[-1], arg)
+    from ``split`` or ``num_q_heads`` (the framework shims' static split), the layout and rank
+    checked first, as :func:`resolve_qkv` does."""
+    check_qkv_ndim(shape, check_layout(layout))
+    n, d = qkv_heads(split, num_q_heads, shape[-2], shape[-1], "qkv")
     return (n * d, d, d)
 
 
@@ -571,6 +568,15 @@ def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k
     """Validate the packed-QKV backward: dq [.., g*n, d], dk/dv [.., g, d] -> dqkv."""
     layout = check_layout(layout)
     interleaved = check_bool("interleaved", interleaved)
+    n, d = qkv_backward_heads(dq, dk, dv, split, layout, num_q_heads)
+    return _qkv_common(layout, tuple(dq.shape[:-2]), dk.shape[-2], n, d, dq, "dq", q_freqs, k_freqs,
+                       interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
+
+
+def qkv_backward_heads(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, split, layout: str,
+                       num_q_heads) -> tuple[int, int]:
+    """(query heads per group n, head dim d) of the packed-QKV backward's gradients, checked (their
+    dtypes, ranks for ``layout``, devices, shapes; ``split``/``num_q_heads`` against them)."""
     want = 3 if layout == "thd" else 4
     for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
         check_float_input(name, a)
@@ -606,8 +612,7 @@ def resolve_qkv_backward(dq: ArrayInfo, dk: ArrayInfo, dv: ArrayInfo, q_freqs, k
                 raise _err("split" if split is not None else "num_q_heads",
                            f"a split matching the gradients (n = {n} query heads per group, d = {d})",
                            f"n = {n2}, d = {d2}")
-    return _qkv_common(layout, tuple(dq.shape[:-2]), groups, n, d, dq, "dq", q_freqs, k_freqs,
-                       interleaved, cu_seqlens, start_positions, cp_size, cp_rank, backward=True)
+    return n, d
 
 
 # ------------------------------------------------------------------------ the positions API

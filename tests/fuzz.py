@@ -48,7 +48,7 @@ import cupy_rope  # noqa: E402
 from cupy_rope.testing import (NP_DTYPES, assert_close_to_ref, qkv_split_ref, rope_pos_ref, rope_ref,  # noqa: E402
                                token_table)
 
-BACKENDS = ("numpy", "torch-cpu", "host", "cupy", "torch-cuda")
+BACKENDS = ("numpy", "torch-cpu", "host", "cupy", "torch-cuda", "jax")
 CPU_BACKENDS = ("numpy", "torch-cpu")  # the NumPy backend: index contents are checked always
 QK_NAMES = {"qk": ("q", "k"), "qk_bwd": ("dq", "dk")}  # the q+k entry points' array names
 POS_TABLES = ("cos_sin_cache", "freqs", "inv_freq")  # the positions API's table keywords
@@ -144,8 +144,9 @@ def _torch():
 
 
 def backend_buffer(base: np.ndarray, backend: str):
-    """A copy of the NumPy buffer ``base`` in the backend (NumPy/host: the buffer itself)."""
-    if backend in ("numpy", "host"):
+    """A copy of the NumPy buffer ``base`` in the backend (NumPy/host: the buffer itself; JAX:
+    the NumPy buffer, each array a dense JAX copy of its view, :func:`to_backend`)."""
+    if backend in ("numpy", "host", "jax"):
         return base
     if backend.startswith("torch"):
         torch = _torch()
@@ -163,6 +164,10 @@ def to_backend(laid: Laid, buf, backend: str):
     """The view ``laid`` describes, over the backend buffer ``buf``."""
     if backend in ("numpy", "host"):
         return laid.view(buf)
+    if backend == "jax":  # JAX arrays are dense and immutable: a copy of the view
+        import jax.numpy as jnp
+
+        return jnp.asarray(laid.view(buf))
     if backend.startswith("torch"):
         return _torch().as_strided(buf, laid.shape, laid.strides, laid.offset)
     import cupy
@@ -791,11 +796,26 @@ def _pos_call_args(case: Case, native: dict):
     return (native["positions"], native["q"], native.get("k")), dict(case.kw, **tables)
 
 
+_MUTATING = ("out", "inplace", "transpose_output_memory")  # what JAX's immutable arrays cannot take
+
+
+def _mutating(case: Case) -> bool:
+    return (case.out_is_input or case.meta.get("readonly") or any(n in case.arrays or n in case.lists
+                                                                 for n in ("out",))
+            or case.kw.get("inplace") is True or case.kw.get("transpose_output_memory") is True)
+
+
 def via(case: Case, backend: str) -> str:
-    """What the call goes through: the public API (``"api"``), or, for torch tensors on half of
-    the seeds, the torch shim's function of the same name (``"torch"``: ``cupy_rope.torch``, its
-    own checks and autograd kernels, on CUDA its C++ launch path). The shim has no packed-QKV
+    """What the call goes through: the public API (``"api"``), or, on half of the seeds, the
+    framework shim's function of the same name: for torch tensors ``"torch"``
+    (``cupy_rope.torch``: its own checks and autograd kernels, on CUDA its C++ launch path), for
+    JAX arrays ``"jax"`` (``cupy_rope.jax``, without ``out``/``inplace``/
+    ``transpose_output_memory``, which it does not take). The torch shim has no packed-QKV
     backward, and its ``apply_rope_backward`` takes no ``out``."""
+    if backend == "jax":
+        if any(n in case.kw for n in _MUTATING) or "out" in case.arrays or "out" in case.lists:
+            return "api"
+        return "jax" if np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
     if not backend.startswith("torch") or case.entry == "qkv_bwd":
         return "api"
     if case.entry == "rope_bwd" and ("out" in case.arrays or "out" in case.lists or case.out_is_input):
@@ -812,6 +832,8 @@ def call(case: Case, backend: str, native: dict):
     """Run the case's entry point on ``backend``'s arrays (through :func:`via`'s module)."""
     if case.meta.get("via") == "torch":
         import cupy_rope.torch as module
+    elif case.meta.get("via") == "jax":
+        import cupy_rope.jax as module
     else:
         module = cupy_rope
     fn = getattr(module, _ENTRY_FNS[case.entry])
@@ -1005,14 +1027,33 @@ def check_valid(case: Case, result, vals: dict, backend: str):
     assert np.array_equal(bits(gv), bits(np.ascontiguousarray(vals["dv"]))), "dv differs from the input"
 
 
+def _jax_on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
 def run_case(seed: int, backend: str, verbose: bool = False) -> str:
-    """Draw and run one case; raises AssertionError on any violation. Returns a short outcome."""
+    """Draw and run one case; raises AssertionError on any violation. Returns a short outcome.
+    JAX cases run with 64-bit types on (``jax.enable_x64``), so that int64 index arrays stay
+    int64 (JAX's default would narrow them to int32)."""
+    if backend != "jax":
+        return _run_case(seed, backend, verbose)
+    import jax
+
+    with jax.enable_x64(True):
+        return _run_case(seed, backend, verbose)
+
+
+def _run_case(seed: int, backend: str, verbose: bool) -> str:
     case = draw(seed, backend)
     case.meta["via"] = via(case, backend)
     if verbose:
         print(case.describe())
     if backend == "host" and (case.expect_error or case.lists):
         return "skipped (invalid call: the host backend runs valid calls only)"
+    if backend == "jax" and _mutating(case):
+        return "skipped (JAX arrays are immutable: no out, inplace or transpose_output_memory)"
     laid = dict(case.arrays)
     native, bufs, by_base = {}, {}, {}
     for name, l in laid.items():
@@ -1029,12 +1070,16 @@ def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     native.update(case.lists)
     before = {k: to_numpy(b).copy() for k, b in bufs.items()}
     vals = {k: np.array(l.view(), copy=True, order="C") for k, l in laid.items()}  # before the call
-    cpu_checked = backend in CPU_BACKENDS
+    cpu_checked = backend in CPU_BACKENDS or (backend == "jax" and _jax_on_cpu())
     expect = case.expect_error or ("cu_seqlens" if case.garbage_cu and cpu_checked else None)
     try:
         result = _host_call(case, native) if backend == "host" else call(case, backend, native)
         if backend in ("cupy", "torch-cuda"):
             _sync(backend)
+        if backend == "jax":  # JAX dispatches asynchronously: its errors surface here
+            import jax
+
+            jax.block_until_ready(result)
     except (ValueError, TypeError) as e:
         if expect is None:
             raise AssertionError(f"unexpected {type(e).__name__}: {e}\n{case.describe()}") from e

@@ -1,7 +1,8 @@
 """The randomised fuzz of every entry point (tests/fuzz.py), with fixed seeds.
 
-CPU: the NumPy backend through NumPy and torch CPU tensors, and the host build of the kernels
-through the real launch plan. GPU (marked, run on the H200): CuPy and torch CUDA tensors.
+CPU: the NumPy backend through NumPy and torch CPU tensors, JAX arrays on JAX's CPU backend, and
+the host build of the kernels through the real launch plan. GPU (marked, run on the H200): CuPy
+and torch CUDA tensors, and JAX arrays through XLA's launch of the kernels.
 Replay a failure with the command its message prints (``python tests/fuzz.py --backend B
 --seed S -v``). ``CUPY_ROPE_FUZZ_SCALE`` multiplies the number of seeds.
 """
@@ -48,10 +49,20 @@ def test_fuzz_host_kernels(lo, hi):
     _run("host", 200000 + lo, 200000 + hi)
 
 
+@pytest.mark.parametrize("lo,hi", _chunks(500), ids=lambda v: str(v))
+def test_fuzz_jax_cpu(lo, hi):
+    jax = pytest.importorskip("jax")
+    if jax.default_backend() != "cpu":
+        pytest.skip("JAX's default backend is a GPU here: test_fuzz_gpu runs the JAX cases")
+    _run("jax", 400000 + lo, 400000 + hi)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cupy", "torch-cuda"])
+@pytest.mark.parametrize("backend", ["cupy", "torch-cuda", "jax"])
 @pytest.mark.parametrize("lo,hi", _chunks(1000), ids=lambda v: str(v))
 def test_fuzz_gpu(backend, lo, hi):
     if backend == "torch-cuda":
         pytest.importorskip("torch")
+    if backend == "jax" and pytest.importorskip("jax").default_backend() != "gpu":
+        pytest.skip("JAX sees no GPU")
     _run(backend, 300000 + lo, 300000 + hi)

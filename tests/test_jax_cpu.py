@@ -123,3 +123,25 @@ def test_jax_rope_qk_and_fused_cpu(form):
     assert not gv.any()
     with pytest.raises(ValueError, match="`num_q_heads`"):
         crj.apply_rope_qk_fused(jnp.asarray(qkv_n.reshape(2, 8, -1)), f, "bshd")
+
+
+def test_jax_qkv_backward_split_as_the_public_api():
+    """The shim's static split of the packed-QKV backward comes from the public API's own checks:
+    with no KV groups (g = 0) only ``split`` gives the packed width; ``num_q_heads`` that does
+    not match the gradients is named."""
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(8)
+    f = rng.uniform(-5, 5, (6, 1, 1, 16)).astype(np.float32)
+    dq, dk = np.zeros((6, 1, 0, 16), np.float32), np.zeros((6, 1, 0, 16), np.float32)
+    for lib in (cupy_rope, crj):
+        a = (lambda t: t) if lib is cupy_rope else jnp.asarray
+        out = lib.apply_qkv_rope_backward(a(dq), a(dk), a(dk), a(f), a(f), split=(32, 16, 16))
+        assert tuple(out.shape) == (6, 1, 0, 64)
+        with pytest.raises(ValueError, match="`split`"):
+            lib.apply_qkv_rope_backward(a(dq), a(dk), a(dk), a(f), a(f))
+        g = rng.standard_normal((6, 1, 2, 16)).astype(np.float32)
+        with pytest.raises(ValueError, match="`num_q_heads`"):
+            lib.apply_qkv_rope_backward(a(np.concatenate([g, g], 2)), a(g), a(g), a(f), a(f), num_q_heads=6)
