@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cupy_rope._dev.benchmark import markdown  # noqa: E402
+from cupy_rope._dev.benchmark import SERVING_ROWS, markdown  # noqa: E402
 
 RESULTS = "benchmarks/results/h200.json"
 README_ROWS = (1, 2, 3, 4, 5, 9, 10)
@@ -152,12 +152,12 @@ SERVING_RESULTS = "benchmarks/results/h200_serving.json"
 
 
 def serving_block(data, path):
-    """The positions-API rows (11, 12; row 10 for comparison): device time against the copy and
-    torch.compile of vLLM's native formula, and the eager per-call cost."""
+    """The positions-API rows (SERVING_ROWS; row 10 for comparison): device time against the copy
+    and torch.compile of vLLM's native formula, and the eager per-call cost."""
     rows = data["rows"]
     out = [_env_line(data, path), markdown(rows)]
     for r in rows:
-        if r["id"] in (11, 12):
+        if r["id"] in SERVING_ROWS:
             f, pc = r["fwd"], r["fwd"].get("peers", {}).get("torch.compile")
             cmp = (f"; torch.compile of the formula {pc['device_us']:.1f} µs" if isinstance(pc, dict) else "")
             out.append(f"* Row {r['id']} ({r['shape']}, in place): {f['device_us']:.1f} µs device "

@@ -145,7 +145,10 @@ SHAPES = [
     # a float32 cos/sin cache [8192, 128] (FlashInfer's layout); "bwd" is inverse=True
     (11, "serve decode 64 tok 32q+8kv pos+cache", dict(serving=(64, 32, 8, 128))),
     (12, "serve prefill 16K tok 32q+8kv pos+cache", dict(serving=(16384, 32, 8, 128))),
+    # row 11 with int32 positions (FlashInfer's pos_ids are often int32)
+    (13, "serve decode 64 tok 32q+8kv int32 pos+cache", dict(serving=(64, 32, 8, 128), pos_dtype="int32")),
 ]
+SERVING_ROWS = tuple(i for i, _, spec in SHAPES if spec.get("serving"))
 
 
 class Problem:
@@ -459,7 +462,7 @@ def serving_inputs(spec):
     nbuf = max(2, min(16, math.ceil(3 * L2_BYTES / per)))
     qs = [torch.empty(t, hq * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
     ks = [torch.empty(t, hk * d, dtype=dt, device=dev).uniform_(-1, 1, generator=g) for _ in range(nbuf)]
-    pos = torch.randint(0, 8192, (t,), device=dev, generator=g)
+    pos = torch.randint(0, 8192, (t,), device=dev, generator=g).to(getattr(torch, spec.get("pos_dtype", "int64")))
     return pos, qs, ks, cache, d, per
 
 
@@ -471,7 +474,7 @@ def run_serving_row(rid, desc, spec, quick=False, peers=True):
 
     pos, qs, ks, cache, d, per = serving_inputs(spec)
     t, nbuf = pos.shape[0], len(qs)
-    nbytes = 2 * per + t * d * 4
+    nbytes = 2 * per + t * d * 4  # q and k read and written, one float32 cache row per token
     n_launch = nbuf * max(1, (4 if quick else 12) // nbuf) if per > 2**20 else (100 if quick else 400)
     idx = [i % nbuf for i in range(n_launch)]
     row = dict(id=rid, shape=desc, bytes=nbytes, dtype="bfloat16")
