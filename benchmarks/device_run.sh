@@ -26,8 +26,8 @@ if [[ $MODE == *main* ]]; then
 fi
 if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
   # the fuzz of every entry point under memcheck, memory pools off so that a read past a small
-  # (index) array leaves its allocation
-  for b in cupy torch-cuda; do
+  # (index) array leaves its allocation (SAN_BACKENDS adds e.g. jax: XLA's platform allocator)
+  for b in ${SAN_BACKENDS:-cupy torch-cuda}; do
     PYTHONPATH=$PWD PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 tests/fuzz.py --backend $b --seeds ${SAN_SEEDS:-0:400} --no-pool 2>&1 | tee "$OUT/memcheck_$b.log" \
       | grep -E "^fuzz|ERROR SUMMARY|FAIL seed|Invalid" | head -8

@@ -1137,12 +1137,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, help="one case (replay)")
     ap.add_argument("--seeds", default="0:500", help="a range START:STOP of seeds")
     ap.add_argument("--no-pool", action="store_true",
-                    help="GPU: no memory pools (CuPy's allocator off, torch's caching allocator off) so "
-                         "compute-sanitizer sees reads past small arrays")
+                    help="GPU: no memory pools (CuPy's allocator off, torch's caching allocator off, XLA's "
+                         "platform allocator) so compute-sanitizer sees reads past small arrays")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     if a.no_pool:
         os.environ["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"  # read when JAX starts its backend
         if a.backend == "cupy":
             import cupy
 
