@@ -5,7 +5,9 @@ TE's own ``transformer_engine/pytorch/attention/rope.py`` works when this module
 for the extension (e.g. ``sys.modules["transformer_engine_torch"] = cupy_rope.te`` before TE's
 Python package imports it, or by patching ``tex`` in that module). Beyond TE: any input
 strides, thd for the QKV functions, ``start_positions`` honoured in the QKV backward, CPU
-tensors (NumPy backend). Outputs are contiguous, as TE's are.
+tensors (NumPy backend). Outputs are contiguous, as TE's are. torch tensors go through the torch
+shim's ops (``cupy_rope.torch``), so TE's RoPE works inside ``torch.compile`` (one graph node per
+call) and CUDA graphs; other arrays through the public API.
 
 Example::
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import enum
 import operator
 
-from . import _api, _dropins
+from . import _api, _dropins, _interop
 
 
 class NVTE_QKV_Format(enum.IntEnum):
@@ -91,6 +93,13 @@ def _options(interleaved, cp_size, cp_rank) -> tuple:
     return _flag("interleaved", interleaved), _index("cp_size", cp_size), _index("cp_rank", cp_rank)
 
 
+def _entry(a, name: str):
+    """Where a call on ``a`` goes: torch tensors through the torch shim (its ops: one node under
+    ``torch.compile``, CUDA-graph safe, the C++ launch cache), other arrays through the public
+    API. A non-array is a ``TypeError`` naming TE's argument ``name``."""
+    return _dropins._torch_shim() if _interop.kind_of(a, name) == "torch" else _api
+
+
 def _split(v) -> tuple:
     try:
         return tuple(v)
@@ -103,8 +112,9 @@ def fused_rope_forward(input, freqs, start_positions, qkv_format, interleaved, c
     """TE's ``fused_rope_forward``: see :func:`cupy_rope.apply_rope`."""
     il, cs, cr = _options(interleaved, cp_size, cp_rank)
     try:
-        return _api.apply_rope(input, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
-                               start_positions=start_positions, cp_size=cs, cp_rank=cr)
+        fn = _entry(input, "input").apply_rope
+        return fn(input, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
+                  start_positions=start_positions, cp_size=cs, cp_rank=cr)
     except (TypeError, ValueError) as e:
         raise _dropins.renamed(e, _FWD_NAMES) from None
 
@@ -125,9 +135,9 @@ def fused_rope_backward(output_grads, freqs, start_positions, qkv_format, interl
             None, start_positions, qkv_format, interleaved, cu_seqlens, cp_size)
     il, cs, cr = _options(interleaved, cp_size, cp_rank)
     try:
-        return _api.apply_rope_backward(output_grads, freqs, _layout(qkv_format), interleaved=il,
-                                        cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs,
-                                        cp_rank=cr)
+        fn = _entry(output_grads, "output_grads").apply_rope_backward
+        return fn(output_grads, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
+                  start_positions=start_positions, cp_size=cs, cp_rank=cr)
     except (TypeError, ValueError) as e:
         raise _dropins.renamed(e, _BWD_NAMES) from None
 
@@ -137,9 +147,9 @@ def fused_qkv_rope_forward(qkv_input, q_freqs, k_freqs, start_positions, qkv_spl
     """TE's ``fused_qkv_rope_forward`` -> ``(q, k, v)``; ``cu_seqlens=`` adds thd (beyond TE)."""
     il, cs, cr = _options(interleaved, cp_size, cp_rank)
     try:
-        return _api.apply_qkv_rope(qkv_input, q_freqs, k_freqs, _split(qkv_split_arg_list), _layout(qkv_format),
-                                   interleaved=il, cu_seqlens=cu_seqlens, start_positions=start_positions,
-                                   cp_size=cs, cp_rank=cr)
+        fn = _entry(qkv_input, "qkv_input").apply_qkv_rope
+        return fn(qkv_input, q_freqs, k_freqs, _split(qkv_split_arg_list), _layout(qkv_format), interleaved=il,
+                  cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs, cp_rank=cr)
     except (TypeError, ValueError) as e:
         raise _dropins.renamed(e, _QKV_NAMES) from None
 
@@ -150,10 +160,9 @@ def fused_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs
     (TE's ignores it, giving wrong gradients with offsets)."""
     il, cs, cr = _options(interleaved, cp_size, cp_rank)
     try:
-        return _api.apply_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs,
-                                            _split(qkv_split_arg_list), _layout(qkv_format), interleaved=il,
-                                            cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs,
-                                            cp_rank=cr)
+        fn = _entry(q_grad_out, "q_grad_out").apply_qkv_rope_backward
+        return fn(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs, _split(qkv_split_arg_list),
+                  _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens, start_positions=start_positions,
+                  cp_size=cs, cp_rank=cr)
     except (TypeError, ValueError) as e:
         raise _dropins.renamed(e, _QKV_BWD_NAMES) from None
-

@@ -676,6 +676,38 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
     return _qkv_op(qkv, *args)
 
 
+def _shape_info(t: torch.Tensor) -> _plan.ArrayInfo:
+    """What the planner's shape checks read of a tensor (no address: fake tensors have none)."""
+    return _plan.ArrayInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), ("cpu", 0))
+
+
+def apply_qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_freqs: torch.Tensor,
+                            k_freqs: torch.Tensor, split=None, layout: str = "sbhd", *,
+                            num_q_heads: Optional[int] = None, interleaved: bool = False,
+                            cu_seqlens: Optional[torch.Tensor] = None,
+                            start_positions: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0):
+    """Differentiable :func:`cupy_rope.apply_qkv_rope_backward`: ``dq [.., g*n, d]``,
+    ``dk``/``dv [.., g, d]`` -> the packed gradient ``dqkv [.., g, (n+2)*d]`` (its gradient is
+    the forward).
+
+    Example:
+        >>> import torch, cupy_rope, cupy_rope.torch as crt
+        >>> f = torch.from_numpy(cupy_rope.rope_freqs(64, 8))
+        >>> crt.apply_qkv_rope_backward(torch.ones(8, 1, 8, 64), torch.ones(8, 1, 2, 64),
+        ...                             torch.ones(8, 1, 2, 64), f, f).shape
+        torch.Size([8, 1, 2, 384])
+    """
+    _check_tensors(dq=dq, dk=dk, dv=dv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
+                   start_positions=start_positions)
+    n, d = _plan.qkv_backward_heads(_shape_info(dq), _shape_info(dk), _shape_info(dv), split,
+                                    _plan.check_layout(layout), num_q_heads)
+    layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
+    args = (q_freqs, k_freqs, [n * d, d, d], layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
+    if _forward_mode(dq, dk, dv):
+        return _linear_dual(lambda a, b, c: _qkv_bwd_op(a, b, c, *args), dq, dk, dv)
+    return _qkv_bwd_op(dq, dk, dv, *args)
+
+
 # ----------------------------------------------------------------------------- module
 class RotaryPositionEmbedding(torch.nn.Module):
     """TransformerEngine's ``RotaryPositionEmbedding``: ``forward(max_seq_len, offset=0)``

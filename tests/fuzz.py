@@ -810,13 +810,13 @@ def via(case: Case, backend: str) -> str:
     framework shim's function of the same name: for torch tensors ``"torch"``
     (``cupy_rope.torch``: its own checks and autograd kernels, on CUDA its C++ launch path), for
     JAX arrays ``"jax"`` (``cupy_rope.jax``, without ``out``/``inplace``/
-    ``transpose_output_memory``, which it does not take). The torch shim has no packed-QKV
-    backward, and its ``apply_rope_backward`` takes no ``out``."""
+    ``transpose_output_memory``, which it does not take). The torch shim's
+    ``apply_rope_backward`` takes no ``out``."""
     if backend == "jax":
         if any(n in case.kw for n in _MUTATING) or "out" in case.arrays or "out" in case.lists:
             return "api"
         return "jax" if np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
-    if not backend.startswith("torch") or case.entry == "qkv_bwd":
+    if not backend.startswith("torch"):
         return "api"
     if case.entry == "rope_bwd" and ("out" in case.arrays or "out" in case.lists or case.out_is_input):
         return "api"

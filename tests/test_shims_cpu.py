@@ -407,3 +407,74 @@ def test_torch_rope_qk_gqa_opcheck_compile():
     block(q, k).backward()
     torch.testing.assert_close(g1[0], q.grad)
     torch.testing.assert_close(g1[1], k.grad)
+
+
+def test_te_dropin_inside_torch_compile():
+    """TE calls its extension from autograd.Functions; with the drop-in standing in, a compiled
+    model holds cupy_rope's ops (fullgraph: no graph break), forward and backward, for the
+    single-tensor and the packed-QKV functions, at changing sequence lengths."""
+    from cupy_rope import te
+
+    f = _f(32, 64)
+
+    class FusedRoPE(torch.autograd.Function):  # the shape of TE's FusedRoPEFunc
+        @staticmethod
+        def forward(ctx, t, freqs):
+            ctx.save_for_backward(freqs)
+            return te.fused_rope_forward(t, freqs, None, "sbhd", False, None, 1, 0)
+
+        @staticmethod
+        def backward(ctx, g):
+            (freqs,) = ctx.saved_tensors
+            return te.fused_rope_backward(g, freqs, None, "sbhd", False, None, 1, 0), None
+
+    class FusedQKV(torch.autograd.Function):  # TE's FusedQKVRoPEFunc
+        @staticmethod
+        def forward(ctx, qkv, freqs):
+            ctx.save_for_backward(freqs)
+            return te.fused_qkv_rope_forward(qkv, freqs, freqs, None, [64, 32, 32], "sbhd", False, 1, 0)
+
+        @staticmethod
+        def backward(ctx, dq, dk, dv):
+            (freqs,) = ctx.saved_tensors
+            return te.fused_qkv_rope_backward(dq, dk, dv, freqs, freqs, [64, 32, 32], "sbhd", False, 1, 0), None
+
+    def step(x, qkv):
+        q, k, v = FusedQKV.apply(qkv, f)
+        return (FusedRoPE.apply(x, f) ** 2).sum() + (q * q).sum() + (k * 3).sum() + v.sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    rng = np.random.default_rng(9)
+    for s in (4, 6, 8):
+        x = torch.from_numpy(rng.standard_normal((s, 2, 4, 32)).astype(np.float32)).requires_grad_()
+        qkv = torch.from_numpy(rng.standard_normal((s, 2, 2, 128)).astype(np.float32)).requires_grad_()
+        got = compiled(x, qkv)
+        got.backward()
+        gx, gqkv = x.grad, qkv.grad
+        x2, qkv2 = x.detach().clone().requires_grad_(), qkv.detach().clone().requires_grad_()
+        want = step(x2, qkv2)
+        want.backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(gx, x2.grad)
+        torch.testing.assert_close(gqkv, qkv2.grad)
+
+
+def test_torch_qkv_backward_matches_public_api():
+    import cupy_rope.torch as crt
+
+    rng = np.random.default_rng(10)
+    f = _f(32, 12)
+    dq, dk, dv = (rng.standard_normal((6, 2, h, 32)).astype(np.float32) for h in (6, 2, 2))
+    sp = np.array([1, 2], np.int32)
+    T = torch.from_numpy
+    want = cupy_rope.apply_qkv_rope_backward(dq, dk, dv, f.numpy(), f.numpy(), start_positions=sp)
+    for kw in ({}, dict(num_q_heads=6), dict(split=(96, 32, 32))):
+        got = crt.apply_qkv_rope_backward(T(dq), T(dk), T(dv), f, f, start_positions=T(sp), **kw)
+        np.testing.assert_array_equal(got.numpy(), want)
+    # differentiable: its gradient is the forward
+    g = T(dq).requires_grad_()
+    out = crt.apply_qkv_rope_backward(g, T(dk), T(dv), f, f)
+    w = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
+    (out * w).sum().backward()
+    q, _, _ = crt.apply_qkv_rope(w, f, f, num_q_heads=6)
+    torch.testing.assert_close(g.grad, q)
