@@ -108,15 +108,21 @@ def _split(v) -> tuple:
                         f"{type(v).__name__} {v!r}") from None
 
 
-def fused_rope_forward(input, freqs, start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank):
-    """TE's ``fused_rope_forward``: see :func:`cupy_rope.apply_rope`."""
+def _call(fn_name: str, lead: str, names: dict, args: tuple, qkv_format, interleaved, cp_size, cp_rank, **kw):
+    """``fn_name`` of :func:`_entry`'s module on ``args`` (those before the layout), TE's options
+    converted, errors naming TE's arguments (``names``; ``lead``: TE's name of ``args[0]``)."""
     il, cs, cr = _options(interleaved, cp_size, cp_rank)
     try:
-        fn = _entry(input, "input").apply_rope
-        return fn(input, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
-                  start_positions=start_positions, cp_size=cs, cp_rank=cr)
+        fn = getattr(_entry(args[0], lead), fn_name)
+        return fn(*args, _layout(qkv_format), interleaved=il, cp_size=cs, cp_rank=cr, **kw)
     except (TypeError, ValueError) as e:
-        raise _dropins.renamed(e, _FWD_NAMES) from None
+        raise _dropins.renamed(e, names) from None
+
+
+def fused_rope_forward(input, freqs, start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank):
+    """TE's ``fused_rope_forward``: see :func:`cupy_rope.apply_rope`."""
+    return _call("apply_rope", "input", _FWD_NAMES, (input, freqs), qkv_format, interleaved, cp_size, cp_rank,
+                 cu_seqlens=cu_seqlens, start_positions=start_positions)
 
 
 def _is_format(v) -> bool:
@@ -133,36 +139,21 @@ def fused_rope_backward(output_grads, freqs, start_positions, qkv_format, interl
     if cp_rank is None and _is_format(start_positions):
         start_positions, qkv_format, interleaved, cu_seqlens, cp_size, cp_rank = (
             None, start_positions, qkv_format, interleaved, cu_seqlens, cp_size)
-    il, cs, cr = _options(interleaved, cp_size, cp_rank)
-    try:
-        fn = _entry(output_grads, "output_grads").apply_rope_backward
-        return fn(output_grads, freqs, _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens,
-                  start_positions=start_positions, cp_size=cs, cp_rank=cr)
-    except (TypeError, ValueError) as e:
-        raise _dropins.renamed(e, _BWD_NAMES) from None
+    return _call("apply_rope_backward", "output_grads", _BWD_NAMES, (output_grads, freqs), qkv_format, interleaved,
+                 cp_size, cp_rank, cu_seqlens=cu_seqlens, start_positions=start_positions)
 
 
 def fused_qkv_rope_forward(qkv_input, q_freqs, k_freqs, start_positions, qkv_split_arg_list, qkv_format,
                            interleaved, cp_size, cp_rank, cu_seqlens=None):
     """TE's ``fused_qkv_rope_forward`` -> ``(q, k, v)``; ``cu_seqlens=`` adds thd (beyond TE)."""
-    il, cs, cr = _options(interleaved, cp_size, cp_rank)
-    try:
-        fn = _entry(qkv_input, "qkv_input").apply_qkv_rope
-        return fn(qkv_input, q_freqs, k_freqs, _split(qkv_split_arg_list), _layout(qkv_format), interleaved=il,
-                  cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cs, cp_rank=cr)
-    except (TypeError, ValueError) as e:
-        raise _dropins.renamed(e, _QKV_NAMES) from None
+    return _call("apply_qkv_rope", "qkv_input", _QKV_NAMES, (qkv_input, q_freqs, k_freqs, _split(qkv_split_arg_list)),
+                 qkv_format, interleaved, cp_size, cp_rank, cu_seqlens=cu_seqlens, start_positions=start_positions)
 
 
 def fused_qkv_rope_backward(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs, qkv_split_arg_list,
                             qkv_format, interleaved, cp_size, cp_rank, start_positions=None, cu_seqlens=None):
     """TE's ``fused_qkv_rope_backward`` -> packed gradient. Honours ``start_positions=``
     (TE's ignores it, giving wrong gradients with offsets)."""
-    il, cs, cr = _options(interleaved, cp_size, cp_rank)
-    try:
-        fn = _entry(q_grad_out, "q_grad_out").apply_qkv_rope_backward
-        return fn(q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs, _split(qkv_split_arg_list),
-                  _layout(qkv_format), interleaved=il, cu_seqlens=cu_seqlens, start_positions=start_positions,
-                  cp_size=cs, cp_rank=cr)
-    except (TypeError, ValueError) as e:
-        raise _dropins.renamed(e, _QKV_BWD_NAMES) from None
+    args = (q_grad_out, k_grad_out, v_grad_out, q_freqs, k_freqs, _split(qkv_split_arg_list))
+    return _call("apply_qkv_rope_backward", "q_grad_out", _QKV_BWD_NAMES, args, qkv_format, interleaved, cp_size,
+                 cp_rank, cu_seqlens=cu_seqlens, start_positions=start_positions)
