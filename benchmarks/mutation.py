@@ -1,6 +1,6 @@
-"""Mutation run: plant single-operator bugs in ``kernels_cu/`` and in the launch-plan, positions
-and XLA-launch code (``cupy_rope/_plan.py``, ``cupy_rope/_positions.py``, ``cupy_rope/_xla.py``,
-...: ``FILES``) and check that the CPU suite
+"""Mutation run: plant single-operator bugs in ``kernels_cu/`` and in the launch-plan, positions,
+XLA-launch, table and shim code (``cupy_rope/_plan.py``, ``cupy_rope/_positions.py``,
+``cupy_rope/_xla.py``, ``cupy_rope/torch.py``, ...: ``FILES``) and check that the CPU suite
 (NumPy backend and host build of the kernels) catches each one that still builds.
 
     python benchmarks/mutation.py --count 40 --jobs 2 --json mutation.json
@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
          "cupy_rope/_worksplit.py", "cupy_rope/_abi.py", "cupy_rope/_positions.py", "cupy_rope/_numpy_backend.py",
-         "cupy_rope/_xla.py", "cupy_rope/_launch.py")
+         "cupy_rope/_xla.py", "cupy_rope/_launch.py", "cupy_rope/_freqs.py", "cupy_rope/torch.py", "cupy_rope/te.py",
+         "cupy_rope/_jax_ops.py", "cupy_rope/_dropins.py")
 TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_numpy",
          "tests/test_fuzz.py::test_fuzz_torch_cpu", "tests/test_fuzz.py::test_fuzz_host_kernels", "tests/test_positions.py",
          "tests/test_cpu_matrix.py::test_host_kernels", "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
@@ -39,7 +40,7 @@ TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fu
          "tests/test_cpu_matrix.py::test_odd_units_split", "tests/test_cpu_matrix.py::test_one_row_shared_sincos",
          "tests/test_cpu_matrix.py::test_lean_kernel_limits", "tests/test_cpu_matrix.py::test_lean_rows_come_from_the_kernel_define",
          "tests/test_safety.py", "tests/test_errors.py", "tests/test_arguments.py", "tests/test_shims_cpu.py",
-         "tests/test_xla_ffi.py",
+         "tests/test_jax_cpu.py", "tests/test_xla_ffi.py",
          "tests/test_launch_cache.py"]
 SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" < ", " <= "), (" <= ", " < "), (" > ", " >= "),
          (" >= ", " > "), (" == ", " != "), (" != ", " == "), (" && ", " || "), (" || ", " && "),
