@@ -5,9 +5,9 @@ TE's own ``transformer_engine/pytorch/attention/rope.py`` works when this module
 for the extension (e.g. ``sys.modules["transformer_engine_torch"] = cupy_rope.te`` before TE's
 Python package imports it, or by patching ``tex`` in that module). Beyond TE: any input
 strides, thd for the QKV functions, ``start_positions`` honoured in the QKV backward, CPU
-tensors (NumPy backend). Outputs are contiguous, as TE's are. torch tensors go through the torch
-shim's ops (``cupy_rope.torch``), so TE's RoPE works inside ``torch.compile`` (one graph node per
-call) and CUDA graphs; other arrays through the public API.
+tensors (NumPy backend). Outputs are contiguous, as TE's are. Inside ``torch.compile`` the calls
+go through the torch shim's ops (``cupy_rope.torch``: one graph node per call); eager calls
+through the public API.
 
 Example::
 
@@ -94,10 +94,20 @@ def _options(interleaved, cp_size, cp_rank) -> tuple:
 
 
 def _entry(a, name: str):
-    """Where a call on ``a`` goes: torch tensors through the torch shim (its ops: one node under
-    ``torch.compile``, CUDA-graph safe, the C++ launch cache), other arrays through the public
-    API. A non-array is a ``TypeError`` naming TE's argument ``name``."""
-    return _dropins._torch_shim() if _interop.kind_of(a, name) == "torch" else _api
+    """Where a call on ``a`` goes: the public API for arrays outside a trace (plain torch tensors
+    included: its C++ route for CUDA tensors, no custom-op dispatch); the torch shim's ops
+    while torch.compile traces or for tensor subclasses (fake and functional tensors), where
+    the public API's Python cannot be traced. A non-array is a ``TypeError`` naming TE's
+    argument ``name``."""
+    if _interop.kind_of(a, name) == "torch" and (type(a).__name__ != "Tensor" or _compiling()):
+        return _dropins._torch_shim()
+    return _api
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _split(v) -> tuple:
