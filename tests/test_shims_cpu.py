@@ -443,6 +443,12 @@ def test_te_dropin_inside_torch_compile():
         q, k, v = FusedQKV.apply(qkv, f)
         return (FusedRoPE.apply(x, f) ** 2).sum() + (q * q).sum() + (k * 3).sum() + v.sum()
 
+    # eager calls on plain tensors keep the public API's route (no custom-op dispatch); traces and
+    # tensor subclasses take the torch shim's ops
+    import cupy_rope.torch as crt
+
+    assert te._entry(torch.zeros(1), "input") is cupy_rope._api
+    assert te._entry(torch.nn.Parameter(torch.zeros(1)), "input") is crt
     compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
     rng = np.random.default_rng(9)
     for s in (4, 6, 8):
