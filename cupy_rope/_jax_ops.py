@@ -18,10 +18,7 @@ from . import _launch, _numpy_backend, _plan, _worksplit, _xla
 
 def _info(a, ptr=0, device=("cpu", 0)):
     """ArrayInfo of a JAX array, tracer or buffer (JAX arrays are always compact)."""
-    if a is None:
-        return None
-    shape = tuple(a.shape)
-    return _plan.ArrayInfo(shape, _plan.output_strides(shape), np.dtype(a.dtype).name, device, ptr)
+    return None if a is None else _plan.compact_info(a.shape, np.dtype(a.dtype).name, device, ptr)
 
 
 _ROPE_IN = [[("x", 0)], [("freqs", 0)], [("cu_seqlens", 0)], [("start_positions", 0)]]

@@ -290,6 +290,13 @@ def output_strides(shape: tuple) -> tuple:
     return tuple(reversed(st))
 
 
+def compact_info(shape, dtype: str, device: tuple = ("cpu", 0), ptr: int = 0) -> ArrayInfo:
+    """ArrayInfo of a compact array known by shape and dtype alone (a JAX array or tracer; a
+    tensor whose shape a shim checks before its op runs, fake tensors included)."""
+    shape = tuple(shape)
+    return ArrayInfo(shape, output_strides(shape), dtype, device, ptr)
+
+
 def norm_strides(shape, strides):
     """Strides of size-1 dims do not matter: zero them so they never block vectorisation."""
     return tuple(0 if n == 1 else s for n, s in zip(shape, strides))

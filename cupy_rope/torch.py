@@ -676,11 +676,6 @@ def apply_qkv_rope(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
     return _qkv_op(qkv, *args)
 
 
-def _shape_info(t: torch.Tensor) -> _plan.ArrayInfo:
-    """What the planner's shape checks read of a tensor (no address: fake tensors have none)."""
-    return _plan.ArrayInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""), ("cpu", 0))
-
-
 def apply_qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_freqs: torch.Tensor,
                             k_freqs: torch.Tensor, split=None, layout: str = "sbhd", *,
                             num_q_heads: Optional[int] = None, interleaved: bool = False,
@@ -699,8 +694,8 @@ def apply_qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
     """
     _check_tensors(dq=dq, dk=dk, dv=dv, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
                    start_positions=start_positions)
-    n, d = _plan.qkv_backward_heads(_shape_info(dq), _shape_info(dk), _shape_info(dv), split,
-                                    _plan.check_layout(layout), num_q_heads)
+    infos = [_plan.compact_info(t.shape, str(t.dtype).replace("torch.", "")) for t in (dq, dk, dv)]
+    n, d = _plan.qkv_backward_heads(*infos, split, _plan.check_layout(layout), num_q_heads)
     layout, interleaved, cp_size, cp_rank = _options(layout, interleaved, cp_size, cp_rank)
     args = (q_freqs, k_freqs, [n * d, d, d], layout, interleaved, cu_seqlens, start_positions, cp_size, cp_rank)
     if _forward_mode(dq, dk, dv):

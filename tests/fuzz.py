@@ -796,31 +796,28 @@ def _pos_call_args(case: Case, native: dict):
     return (native["positions"], native["q"], native.get("k")), dict(case.kw, **tables)
 
 
-_MUTATING = ("out", "inplace", "transpose_output_memory")  # what JAX's immutable arrays cannot take
+def _has_out(case: Case) -> bool:
+    """Whether the call passes ``out`` (an array, a non-array, or the input itself)."""
+    return "out" in case.arrays or "out" in case.lists or case.out_is_input
 
 
 def _mutating(case: Case) -> bool:
-    return (case.out_is_input or case.meta.get("readonly") or any(n in case.arrays or n in case.lists
-                                                                 for n in ("out",))
-            or case.kw.get("inplace") is True or case.kw.get("transpose_output_memory") is True)
+    """Whether the call writes into an array (what JAX's immutable arrays cannot take)."""
+    return _has_out(case) or case.kw.get("inplace") is True or case.kw.get("transpose_output_memory") is True
 
 
 def via(case: Case, backend: str) -> str:
     """What the call goes through: the public API (``"api"``), or, on half of the seeds, the
     framework shim's function of the same name: for torch tensors ``"torch"``
     (``cupy_rope.torch``: its own checks and autograd kernels, on CUDA its C++ launch path), for
-    JAX arrays ``"jax"`` (``cupy_rope.jax``, without ``out``/``inplace``/
-    ``transpose_output_memory``, which it does not take). The torch shim's
-    ``apply_rope_backward`` takes no ``out``."""
-    if backend == "jax":
-        if any(n in case.kw for n in _MUTATING) or "out" in case.arrays or "out" in case.lists:
-            return "api"
-        return "jax" if np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
-    if not backend.startswith("torch"):
-        return "api"
-    if case.entry == "rope_bwd" and ("out" in case.arrays or "out" in case.lists or case.out_is_input):
-        return "api"
-    return "torch" if np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
+    JAX arrays ``"jax"`` (``cupy_rope.jax``, which takes no ``out``, ``inplace`` or
+    ``transpose_output_memory``). The torch shim's ``apply_rope_backward`` takes no ``out``."""
+    shim = {"jax": "jax", "torch-cpu": "torch", "torch-cuda": "torch"}.get(backend)
+    if shim == "jax" and (_has_out(case) or "inplace" in case.kw or "transpose_output_memory" in case.kw):
+        shim = None
+    if shim == "torch" and case.entry == "rope_bwd" and _has_out(case):
+        shim = None
+    return shim if shim and np.random.default_rng([case.seed, 7]).random() < 0.5 else "api"
 
 
 _ENTRY_FNS = {"rope": "apply_rope", "rope_bwd": "apply_rope_backward", "qk": "apply_rope_qk",
