@@ -682,8 +682,10 @@ def apply_qkv_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
                             cu_seqlens: Optional[torch.Tensor] = None,
                             start_positions: Optional[torch.Tensor] = None, cp_size: int = 1, cp_rank: int = 0):
     """Differentiable :func:`cupy_rope.apply_qkv_rope_backward`: ``dq [.., g*n, d]``,
-    ``dk``/``dv [.., g, d]`` -> the packed gradient ``dqkv [.., g, (n+2)*d]`` (its gradient is
-    the forward).
+    ``dk``/``dv [.., g, d]`` (one dtype: float32, float16 or bfloat16; CUDA or CPU) -> the
+    packed gradient ``dqkv [.., g, (n+2)*d]`` in that dtype (its gradient is the forward).
+    ``split``/``num_q_heads`` as :func:`cupy_rope.apply_qkv_rope_backward` (optional: the
+    gradients' shapes give the split when there are KV groups).
 
     Example:
         >>> import torch, cupy_rope, cupy_rope.torch as crt
