@@ -414,7 +414,25 @@ def percall_rows(profile=None):
     # CuPy
     xc, fc, spc = cupy.from_dlpack(x), cupy.from_dlpack(f), cupy.from_dlpack(sp)
     csync = lambda _: cupy.cuda.get_current_stream().synchronize()  # noqa: E731
-    add("cupy: cupy_rope.apply_rope", _wall_us(lambda: cupy_rope.apply_rope(xc, fc, start_positions=spc), csync))
+    from cupy_rope import _launch
+
+    def cupy_call():
+        return cupy_rope.apply_rope(xc, fc, start_positions=spc)
+
+    cupy_call()  # loads the C++ CuPy path where it builds
+    ext = _launch.CUPY_EXT
+
+    def cupy_python_path():  # the same call, its hit served by the Python path
+        _launch.CUPY_EXT = None
+        try:
+            return cupy_call()
+        finally:
+            _launch.CUPY_EXT = ext
+
+    r = _paired_step_ms({"default": cupy_call, "python": cupy_python_path}, csync, rounds=9, per_round=200)
+    add("cupy: cupy_rope.apply_rope", r["default"] * 1e3,
+        note="C++ hit path" if ext else "Python hit path: the C++ path is unavailable")
+    add("cupy: cupy_rope.apply_rope, Python hit path (CUPY_ROPE_CUPY_EXT=0)", r["python"] * 1e3)
     # JAX
     xj, fj, spj = jnp.asarray(x.float().cpu().numpy()).astype(jnp.bfloat16), jnp.asarray(f.cpu().numpy()), \
         jnp.asarray(sp.cpu().numpy())

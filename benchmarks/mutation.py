@@ -1,7 +1,9 @@
 """Mutation run: plant single-operator bugs in ``kernels_cu/`` and in the launch-plan, positions,
-XLA-launch, table and shim code (``cupy_rope/_plan.py``, ``cupy_rope/_positions.py``,
-``cupy_rope/_xla.py``, ``cupy_rope/torch.py``, ...: ``FILES``) and check that the CPU suite
-(NumPy backend and host build of the kernels) catches each one that still builds.
+XLA-launch, table and shim code and the CuPy launch path (``cupy_rope/_plan.py``,
+``cupy_rope/_positions.py``, ``cupy_rope/_xla.py``, ``cupy_rope/torch.py``,
+``cupy_rope/csrc/cupy_launch.cpp``, ...: ``FILES``) and check that the CPU suite (NumPy backend,
+host build of the kernels, the launch paths on fake device memory) catches each one that still
+builds.
 
     python benchmarks/mutation.py --count 40 --jobs 2 --json mutation.json
     python benchmarks/mutation.py --changed-since REV --count 30    # only lines added since REV
@@ -31,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
          "cupy_rope/_worksplit.py", "cupy_rope/_abi.py", "cupy_rope/_positions.py", "cupy_rope/_numpy_backend.py",
          "cupy_rope/_xla.py", "cupy_rope/_launch.py", "cupy_rope/_freqs.py", "cupy_rope/torch.py", "cupy_rope/te.py",
-         "cupy_rope/_jax_ops.py", "cupy_rope/_dropins.py")
-TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_numpy",
+         "cupy_rope/_jax_ops.py", "cupy_rope/_dropins.py", "cupy_rope/csrc/cupy_launch.cpp")
+TESTS = ["tests/test_launch_cache.py", "tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_numpy",
          "tests/test_fuzz.py::test_fuzz_torch_cpu", "tests/test_fuzz.py::test_fuzz_host_kernels", "tests/test_positions.py",
          "tests/test_cpu_matrix.py::test_host_kernels", "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
          "tests/test_cpu_matrix.py::test_one_row_kernel_is_bit_identical_to_streaming_kernel",
@@ -40,8 +42,7 @@ TESTS = ["tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fu
          "tests/test_cpu_matrix.py::test_odd_units_split", "tests/test_cpu_matrix.py::test_one_row_shared_sincos",
          "tests/test_cpu_matrix.py::test_lean_kernel_limits", "tests/test_cpu_matrix.py::test_lean_rows_come_from_the_kernel_define",
          "tests/test_safety.py", "tests/test_errors.py", "tests/test_arguments.py", "tests/test_shims_cpu.py",
-         "tests/test_jax_cpu.py", "tests/test_xla_ffi.py",
-         "tests/test_launch_cache.py"]
+         "tests/test_jax_cpu.py", "tests/test_xla_ffi.py"]
 SWAPS = [(" + ", " - "), (" - ", " + "), (" * ", " / "), (" < ", " <= "), (" <= ", " < "), (" > ", " >= "),
          (" >= ", " > "), (" == ", " != "), (" != ", " == "), (" && ", " || "), (" || ", " && "),
          ("+= ", "-= "), ("(1)", "(0)"), (" 1;", " 0;"), (" 2 ", " 1 "), ("++k", "k++")]
@@ -103,8 +104,9 @@ def run_mutant(m, timeout):
         (root / f).write_text("\n".join(lines) + "\n")
         env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(root / "kernels_cu"),
                    CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"), PYTHONPATH=str(root))
-        build = subprocess.run([sys.executable, "-c", "from cupy_rope._dev import hostkernels; hostkernels.library()"],
-                               env=env, capture_output=True, text=True, cwd=root)
+        lib = ("from cupy_rope import _cupy_ext; _cupy_ext.build()" if f.endswith("cupy_launch.cpp") else
+               "from cupy_rope._dev import hostkernels; hostkernels.library()")
+        build = subprocess.run([sys.executable, "-c", lib], env=env, capture_output=True, text=True, cwd=root)
         if build.returncode:
             return dict(file=f, line=i + 1, what=what, result="unbuilt")
         try:

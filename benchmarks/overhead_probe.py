@@ -76,7 +76,7 @@ if "micro" in what:
     key, ptrs = _launch.cache_key("torch", ("rope", False, True), ("sbhd", False, 1, 0, False), (x, f, None, sp))
     cupy_rope.apply_rope(x, f, start_positions=sp)
     prepared = None
-    for kk, (p, outs) in _launch._CACHE.items():
+    for kk, (p, *_) in _launch._CACHE.items():
         if kk[0][0] == "rope":
             prepared = p
     y = torch.empty_like(x)

@@ -158,16 +158,11 @@ def _rope(x, freqs, layout, interleaved, cu_seqlens, start_positions, cp_size, c
             return res
     # cached launches skip validation: only for outputs that cannot overlap the input differently
     if kind is not None and not _DEBUG[0] and (out is None or out is x):
-        arrays = (x, freqs, cu_seqlens, start_positions)
-        key, ptrs = _launch.cache_key(kind, ("rope", backward, out is None),
-                                      (layout, interleaved, cp_size, cp_rank, transpose_output_memory), arrays,
-                                      written=0 if out is None else 1)
-        if key is not None:
-            if out is not None:
-                ptrs.append(ptrs[0])
-            res = _launch.cached_call(key, ptrs, arrays, kind)
-            if res is not None:
-                return out if out is not None else res[0]
+        key, res = _launch.lookup(kind, ("rope", backward, out is None),
+                                  (layout, interleaved, cp_size, cp_rank, transpose_output_memory),
+                                  (x, freqs, cu_seqlens, start_positions), written=0 if out is None else 1)
+        if res is not None:
+            return out if out is not None else res[0]
     args = _Args(**{x_name: x}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions,
                  out=out)
     xi = args.infos[x_name]
@@ -216,15 +211,10 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
         if res is not None:
             return res
     if kind is not None and not _DEBUG[0]:
-        arrays = (q, k, freqs, cu_seqlens, start_positions)
-        key, ptrs = _launch.cache_key(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),
-                                      arrays, written=2 if inplace is True else 0)
-        if key is not None:
-            if inplace is True:
-                ptrs += ptrs[:2]
-            res = _launch.cached_call(key, ptrs, arrays, kind)
-            if res is not None:
-                return (q, k) if inplace is True else tuple(res)
+        key, res = _launch.lookup(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),
+                                  (q, k, freqs, cu_seqlens, start_positions), written=2 if inplace is True else 0)
+        if res is not None:
+            return (q, k) if inplace is True else tuple(res)
     nq, nk = names
     args = _Args(**{nq: q, nk: k}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     inf = args.infos
@@ -271,18 +261,13 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
         return _jax_ops().apply_rope_pos(positions, q, k, **tables, head_size=head_size,
                                          interleaved=interleaved, rope_dim_offset=rope_dim_offset,
                                          inverse=inverse)
-    if kind is not None and not _DEBUG[0]:
-        arrays = (q, k, *tables.values(), positions)
-        key, ptrs = _launch.cache_key(kind, ("pos", k is None),
-                                      (head_size, interleaved, rope_dim_offset, inverse, inplace), arrays,
-                                      written=2 if inplace is True else 0)
-        if key is not None:
-            ptrs[2:5] = [sum(ptrs[2:5])]  # the one table given (the others' addresses are 0): "freqs"
-            if inplace is True:
-                ptrs += ptrs[:2]
-            res = _launch.cached_call(key, ptrs, arrays, kind)
-            if res is not None:
-                return (q, k) if inplace is True else (res[0], res[1] if k is not None else None)
+    given = [n for n, t in tables.items() if t is not None] if kind is not None and not _DEBUG[0] else ()
+    if len(given) == 1:  # cached per table kind; the one table given is the launch's "freqs"
+        key, res = _launch.lookup(kind, ("pos", k is None, given[0]),
+                                  (head_size, interleaved, rope_dim_offset, inverse, inplace),
+                                  (q, k, tables[given[0]], positions), written=2 if inplace is True else 0)
+        if res is not None:
+            return (q, k) if inplace is True else (res[0], res[1] if k is not None else None)
     args = _Args(optional=("k",) + _plan.TABLE_ARGS, positions=positions, q=q, k=k, **tables)
     inf = args.infos
     tab = {n: inf[n] for n in _plan.TABLE_ARGS}
@@ -489,13 +474,11 @@ def _qkv(arrays: dict, q_freqs, k_freqs, split, layout, num_q_heads, interleaved
                   cp_size=cp_size, cp_rank=cp_rank)
     if kind is not None and not _DEBUG[0]:
         split_key = tuple(split) if isinstance(split, (tuple, list)) else split
-        named = (*arrays.values(), q_freqs, k_freqs, cu_seqlens, start_positions)
-        key, ptrs = _launch.cache_key(kind, ("qkv", backward, q_freqs is k_freqs),
-                               (layout, interleaved, cp_size, cp_rank, num_q_heads, split_key), named)
-        if key is not None:
-            res = _launch.cached_call(key, ptrs, named, kind)
-            if res is not None:
-                return res[0] if backward else tuple(res)
+        key, res = _launch.lookup(kind, ("qkv", backward, q_freqs is k_freqs),
+                                  (layout, interleaved, cp_size, cp_rank, num_q_heads, split_key),
+                                  (*arrays.values(), q_freqs, k_freqs, cu_seqlens, start_positions))
+        if res is not None:
+            return res[0] if backward else tuple(res)
     args = _Args(**arrays, q_freqs=q_freqs, k_freqs=k_freqs, cu_seqlens=cu_seqlens,
                  start_positions=start_positions)
     inf = args.infos

@@ -118,6 +118,13 @@ def sm_count(device: int) -> int:
     return n
 
 
+def raise_driver_error(rc: int):
+    """Raise CuPy's error for CUresult ``rc`` (a failed launch)."""
+    from cupy.cuda import driver  # an attribute of cupy.cuda, not a module of its own
+
+    raise driver.CUDADriverError(rc)
+
+
 def check_grid(spec) -> tuple:
     """``spec``'s grid, which one launch must be able to run."""
     gx, gy = spec.grid
@@ -166,9 +173,7 @@ class Prepared:
         self.config.stream = stream
         rc = self.launch_ex(self.config_addr, self.fptr, self.argv_addr, None)
         if rc:
-            from cupy.cuda.driver import CUDADriverError
-
-            raise CUDADriverError(rc)
+            raise_driver_error(rc)
 
     def __call__(self, stream: int, addresses) -> None:
         buf = self.buf
@@ -202,7 +207,9 @@ def launch(spec, stream: int, device: int, names=()) -> Prepared | None:
 # options and address alignment reuses the launch its first call resolved (and validated): per
 # call only the key is built, the outputs allocated (by the caller's framework) and the addresses
 # written into the prepared parameter blocks (Prepared). Index contents are checked only in debug
-# mode, which bypasses the cache.
+# mode, which bypasses the cache. Keys of CuPy calls are built, and their hits served, by the C++
+# CuPy path where it loads (cupy_rope._cupy_ext: bytes keys; the entry then also holds the
+# prepared launch's C++ side); every other call by the Python code below (tuple keys).
 _CACHE: dict = {}
 _CACHE_MAX = 4096
 _STATS = {"hits": 0, "misses": 0}
@@ -322,6 +329,46 @@ def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     return key, ptrs
 
 
+# The CuPy launch path in C++ (:mod:`cupy_rope._cupy_ext`): ``(fast, entry)`` once loaded, None
+# when CuPy's hits take the Python path; False until the first CuPy call decides.
+CUPY_EXT = False
+
+
+def _cupy_ext():
+    global CUPY_EXT
+    if CUPY_EXT is False:
+        from . import _cupy_ext
+
+        CUPY_EXT = _cupy_ext.load()
+    return CUPY_EXT
+
+
+def lookup(kind, head: tuple, opts: tuple, arrays, written: int = 0):
+    """A call's launch-cache lookup: ``(key, outputs)``. A hit allocates its outputs, patches
+    the prepared launch with the arrays' addresses (then those of the first ``written`` arrays,
+    which it writes in place, then the outputs') and launches it: ``(None, new outputs)``. Else
+    ``(key, None)``: the caller's full path keeps its launch under ``key`` (:func:`cache_put`;
+    None: the call is not cached). :func:`cache_key` says what a key holds; CuPy calls are keyed
+    and served by the C++ path where it loads (bytes keys)."""
+    if kind == "cupy":
+        ext = CUPY_EXT if CUPY_EXT is not False else _cupy_ext()
+        if ext is not None:
+            key = ext[0](_CACHE, head, opts, arrays, written)
+            if type(key) is list:
+                _STATS["hits"] += 1
+                return None, key
+            if key is None or key not in _CACHE:
+                _STATS["misses"] += key is not None
+                return key, None
+            # kept, but left to the Python path (another device is current, an output of another alignment)
+            ptrs = cache_key(kind, (), (), arrays)[1]
+            return key, cached_call(key, ptrs + ptrs[:written], arrays, kind)
+    key, ptrs = cache_key(kind, head, opts, arrays, written)
+    if key is None:
+        return None, None
+    return key, cached_call(key, ptrs + ptrs[:written], arrays, kind)
+
+
 def cached_call(key, ptrs, arrays, kind):
     """Run the cached launch of ``key`` (if any): allocate its outputs, patch every address,
     launch on the caller's current stream. Returns the new outputs, or None on a miss."""
@@ -332,12 +379,13 @@ def cached_call(key, ptrs, arrays, kind):
     if entry is None:
         _STATS["misses"] += 1
         return None
-    prepared, outputs = entry
+    prepared, outputs = entry[:2]
     results = []
     for like, shape, transposed, same, align in outputs:
         y, p = _interop.empty_like(kind, arrays[like], shape, transposed, same)
-        if p & 15 != align:
-            return None  # alignment differs from the cached plan's: take the full path
+        if p & 15 != align:  # alignment differs from the cached plan's: take the full path
+            _STATS["misses"] += 1
+            return None
         ptrs.append(p)
         results.append(y)
     prepared(_interop.current_stream(kind, prepared.device), ptrs)
@@ -350,7 +398,8 @@ def cached_call(key, ptrs, arrays, kind):
 def cache_put(key, prepared, outputs):
     """Remember a launch: ``outputs`` = [(index of the array to allocate like, shape, transposed,
     address % 16)] allocated per call. ``prepared`` takes its addresses in the order of the key's
-    arrays, then the outputs."""
+    arrays, then those of the arrays it writes in place, then the outputs. The entry is
+    ``(prepared, outputs, C++ entry)``; the last is the C++ CuPy path's, for its (bytes) keys."""
     if key is None or prepared is None:
         return
     try:
@@ -359,12 +408,14 @@ def cache_put(key, prepared, outputs):
         return
     if len(_CACHE) >= _CACHE_MAX:
         _CACHE.clear()
-    entry = _CACHE[key] = (prepared, [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al)
-                                      for i, shape, tr, al in outputs])
+    outs = [(i, tuple(shape), tr, not tr and _same_shape(key, i, shape), al) for i, shape, tr, al in outputs]
+    _CACHE[key] = (prepared, outs, CUPY_EXT[1](prepared, outs) if type(key) is bytes else None)
     if MIRROR is not None:
-        MIRROR(*entry)
+        MIRROR(prepared, outs)
 
 
 def _same_shape(key, i, shape) -> bool:
-    d = key[-1][i]
+    """Whether output-like array ``i`` of a tuple key has the output's shape (torch allocates
+    such outputs with ``empty_like``)."""
+    d = key[-1][i] if type(key) is tuple else None
     return d is not None and tuple(d[0]) == tuple(shape)

@@ -125,19 +125,41 @@ def test_api_uses_the_cache_only_for_cuda_and_cupy_arrays():
 
 class FakeDriver:
     """Stands in for CuPy's driver binding: the current context is the prepared one's; a launch
-    records the parameter blocks it was handed."""
+    records the parameter blocks it was handed (their address; with ``block_bytes``, the bytes
+    of all of them at launch time)."""
 
-    def __init__(self):
-        self.launched = []
+    def __init__(self, block_bytes=None):
+        self.launched, self.blocks, self.streams, self.configs, self.geometry = [], [], [], [], []
+        self.block_bytes, self.rc = block_bytes, 0  # rc: the CUresult of launches
 
     def ctxGetCurrent(self):
         return 222
 
-    def launchKernel(self, fptr, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
-        import ctypes
+    def record(self, fptr, grid, block, stream, argv):
+        first = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
+        self.launched.append(first)
+        self.streams.append(stream)
+        self.geometry.append((fptr, grid, block))
+        if self.block_bytes is not None:  # every block (the rope kernels' two sit one after the other)
+            nbytes, nblocks = self.block_bytes(fptr)
+            argvs = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))
+            assert [argvs[i] - first for i in range(nblocks)] == [i * nbytes // nblocks for i in range(nblocks)]
+            self.blocks.append(ctypes.string_at(first, nbytes))
 
-        ptrs = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))
-        self.launched.append(ptrs[0])
+    def launchKernel(self, fptr, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
+        self.record(fptr, (gx, gy, gz), (bx, by, bz), stream, argv)
+        if self.rc:  # CuPy's binding raises
+            from cupy.cuda import driver
+
+            raise driver.CUDADriverError(self.rc)
+
+    def launch_ex(self, config, fptr, argv, extra):
+        """cuLaunchKernelEx: also records the configuration (grid, block, shared bytes, attributes)."""
+        cfg = _launch._LaunchConfig.from_address(config)
+        self.configs.append((tuple(cfg.grid), tuple(cfg.block), cfg.shared_bytes,
+                             [(cfg.attrs[i].id, cfg.attrs[i].value) for i in range(cfg.num_attrs)]))
+        self.record(fptr, tuple(cfg.grid), tuple(cfg.block), cfg.stream, argv)
+        return self.rc
 
 
 def _arrays(rng, shapes):
@@ -236,23 +258,70 @@ class FakeCupyDevice:
     """CuPy arrays over fake device memory (no driver: nothing reads or writes it), a CuPy
     allocator handing out fresh 256-byte aligned addresses, and stand-ins for the device queries
     and the driver, so that the public API's whole CuPy path (miss: plan and prepare; hit: key,
-    allocate, patch, launch) runs on the CPU."""
+    allocate, patch, launch) runs on the CPU. ``native``: the C++ CuPy path
+    (``csrc/cupy_launch.cpp``, the ``cupy_ext`` fixture's functions) configured with the same
+    stand-ins serves the hits; else the Python path does. Every launch's parameter blocks are
+    recorded (``driver.blocks``) and each kernel has its own function address."""
 
-    def __init__(self, monkeypatch, cupy):
-        self.cupy, self.next = cupy, 0
+    CTX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    PLAIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_void_p)
+
+    EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+    def __init__(self, monkeypatch, cupy, native=None, pdl=False):
+        from cupy_rope import _abi
+
+        self.cupy, self.next, self.fptrs, self.ctx, self.misalign = cupy, 0, {}, 222, 0
         self.mem = cupy.cuda.UnownedMemory(1 << 40, 1 << 32, None, device_id=0)
-        self.driver = FakeDriver()
+        names = {}
+
+        def function(name, dev):
+            names[self.fptrs.setdefault(name, 1000 + len(self.fptrs))] = name
+            return self.fptrs[name], 222
+
+        def block_bytes(fptr):  # (bytes, blocks) of the kernel's parameter blocks
+            n = _kernels.param_blocks(names[fptr])
+            return 8 * n * len(_abi.ROPE_FIELDS if n == 2 else _abi.QKV_FIELDS), n
+
+        self.driver = FakeDriver(block_bytes)
+        self.driver.ctxGetCurrent = lambda: self.ctx
         monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float, order="C": self.array(shape, dtype))
         monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setitem(_launch._interop._STREAM_FNS, "cupy", lambda dev: 0xABC0)
         monkeypatch.setattr(_launch, "_CACHE", {})
         monkeypatch.setattr(_launch, "_drv", lambda: None)
         monkeypatch.setattr(_launch, "_driver", self.driver)
-        monkeypatch.setattr(_launch, "function", lambda name, dev: (111, 222))
+        monkeypatch.setattr(_launch, "function", function)
         monkeypatch.setattr(_launch, "sm_count", lambda dev: 132)
-        monkeypatch.setattr(_launch, "pdl_launcher", lambda dev: None)
+        monkeypatch.setattr(_launch, "pdl_launcher", lambda dev: self.driver.launch_ex if pdl else None)
         monkeypatch.setattr(_launch, "NATIVE", None)
         monkeypatch.setattr(_launch, "MIRROR", None)
+        monkeypatch.setattr(_launch, "CUPY_EXT", None)
+        if native is not None:
+            self.serve_natively(monkeypatch, native)
+
+    def serve_natively(self, monkeypatch, functions):
+        """The C++ path's hits (``functions``: the library's fast, entry, configure) on this
+        fake device: its allocator, stream, context and launches."""
+        import functools
+
+        from cupy_rope import _cupy_ext
+
+        def ctx_get(out):
+            out[0] = self.ctx
+            return 0
+
+        def plain(fptr, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
+            self.driver.record(fptr, (gx, gy, gz), (bx, by, bz), stream, argv)
+            return self.driver.rc
+
+        self.callbacks = (self.CTX(ctx_get), self.PLAIN(plain), self.EX(self.driver.launch_ex))
+        fast, entry_fn, configure_fn = functions
+        _cupy_ext.configure(configure_fn, alloc=lambda shape, dtype: self.array(shape, dtype, self.misalign),
+                            stream=lambda dev: 0xABC0,
+                            driver=[ctypes.cast(c, ctypes.c_void_p).value for c in self.callbacks])
+        monkeypatch.setattr(_launch, "CUPY_EXT", (fast, functools.partial(_cupy_ext.entry, entry_fn)))
 
     def array(self, shape, dtype, offset=0):
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -260,21 +329,43 @@ class FakeCupyDevice:
         self.next = (start + n + 255) // 256 * 256
         return self.cupy.ndarray(tuple(shape), dtype, self.cupy.cuda.MemoryPointer(self.mem, start))
 
-    def words(self, prepared, names, name):
-        """The parameter-block words of address ``name`` in the prepared launch."""
-        return [prepared.buf[w] for w in prepared.slots[names.index(name)]]
+    def words(self, prepared, names, name, block=-1):
+        """The words of address ``name`` (in the prepared launch's slots) in launch ``block``'s
+        parameter blocks (default: the last launch's)."""
+        return [int.from_bytes(self.driver.blocks[block][8 * w:8 * w + 8], "little", signed=True)
+                for w in prepared.slots[names.index(name)]]
 
 
-def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
+@pytest.fixture
+def cupy_ext():
+    """The C++ CuPy path's functions (fast, entry, configure); built here, or skipped where it
+    cannot be; pointed back at CuPy and libcuda afterwards."""
+    from cupy_rope import _cupy_ext
+
+    why = _cupy_ext.missing_tools()
+    if why:
+        pytest.skip(f"cannot build the CuPy launch path here: {why}")
+    functions = _cupy_ext.functions(_cupy_ext.build())
+    yield functions
+    _cupy_ext.configure(functions[2])
+
+
+@pytest.fixture(params=["python", "c++"])
+def hit_path(request):
+    """Which path serves CuPy's hits: None (the Python path) or the C++ path's functions."""
+    return request.getfixturevalue("cupy_ext") if request.param == "c++" else None
+
+
+def test_cupy_hit_path_on_fake_device_memory(monkeypatch, hit_path):
     """CuPy arrays through the public API on the CPU: the first call of a layout plans and
     launches (a miss), later calls with other arrays of the same layout hit and launch the
-    prepared block with every address patched (inputs, tables, index arrays, the new output);
-    the patched block equals the block a fresh plan of those arrays makes; another alignment
-    or another option is a miss."""
+    prepared block with every address patched (inputs, tables, index arrays, the new output) on
+    CuPy's current stream; the patched block equals the block a fresh plan of those arrays makes;
+    another alignment or another option is a miss. Served by the Python path and by the C++ path."""
     import cupy_rope
 
     cupy = pytest.importorskip("cupy")
-    dev = FakeCupyDevice(monkeypatch, cupy)
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path)
     before = dict(_launch._STATS)
     f = dev.array((64, 1, 1, 32), np.float32)
     sp = dev.array((4,), np.int32)
@@ -282,23 +373,28 @@ def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
     ys = [cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp) for x in xs]
     assert len(dev.driver.launched) == 3 and len(_launch._CACHE) == 1
     assert _launch._STATS["misses"] - before["misses"] == 1 and _launch._STATS["hits"] - before["hits"] == 2
-    (prepared, _), = _launch._CACHE.values()
+    assert dev.driver.streams == [0xABC0] * 3
+    (prepared, _, native), = _launch._CACHE.values()
+    assert (native is None) == (hit_path is None)
+    # the Python path patches the prepared block in place; the C++ path patches a copy per call
+    assert bytes(prepared.buf) == dev.driver.blocks[0 if hit_path else -1]
     names = _api._ROPE_NAMES
-    assert dev.words(prepared, names, "x") == [xs[-1].data.ptr]
-    assert dev.words(prepared, names, "y") == [ys[-1].data.ptr]
-    assert dev.words(prepared, names, "freqs") == [f.data.ptr]
-    assert dev.words(prepared, names, "start_positions") == [sp.data.ptr]
+    for i in range(3):
+        assert dev.words(prepared, names, "x", i) == [xs[i].data.ptr]
+        assert dev.words(prepared, names, "y", i) == [ys[i].data.ptr]
+        assert dev.words(prepared, names, "freqs", i) == [f.data.ptr]
+        assert dev.words(prepared, names, "start_positions", i) == [sp.data.ptr]
+    assert all(type(y) is cupy.ndarray for y in ys)
     assert all(y.shape == xs[0].shape and y.dtype == np.float16 and y.flags.c_contiguous for y in ys)
     assert len({y.data.ptr for y in ys}) == 3
     # in place: the hit's patched block is the block a fresh plan of the same arrays makes
     x = dev.array((3, 4, 2, 32), np.float16)
     for a in (dev.array((3, 4, 2, 32), np.float16), x):
         assert cupy_rope.apply_rope(a, f, "sbhd", start_positions=sp, out=a) is a
-    hit_block = bytes(next(p for k, (p, _) in _launch._CACHE.items() if k[0][2] is False).buf)
+    hit_block = dev.driver.blocks[-1]
     monkeypatch.setattr(_launch, "_CACHE", {})
     cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp, out=x)
-    (fresh, _), = _launch._CACHE.values()
-    assert bytes(fresh.buf) == hit_block
+    assert dev.driver.blocks[-1] == hit_block
     # against a cached out-of-place launch of x, another alignment (a 2-byte offset: narrower
     # vectors) and another option are misses
     cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp)
@@ -313,7 +409,8 @@ def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
     # which argument is absent is part of the key
     a, b = (_launch.cache_key("cupy", ("rope",), (), (x, f, c, s))[0] for c, s in ((None, sp), (sp, None)))
     assert a != b
-    # with another device's context current, the launch runs inside that device's context
+    # with another device's context current, the launch runs inside that device's context (the
+    # C++ path leaves such a call to the Python path)
     entered = []
 
     class Device:
@@ -327,10 +424,225 @@ def test_cupy_hit_path_on_fake_device_memory(monkeypatch):
             return False
 
     monkeypatch.setattr(cupy.cuda, "Device", Device)
-    monkeypatch.setattr(dev.driver, "ctxGetCurrent", lambda: 999)
-    n = len(dev.driver.launched)
+    dev.ctx = 999
+    n, hits = len(dev.driver.launched), _launch._STATS["hits"]
     cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp)
-    assert entered == [0] and len(dev.driver.launched) == n + 1
+    assert entered == [0] and len(dev.driver.launched) == n + 1 and _launch._STATS["hits"] == hits + 1
+
+
+def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy_ext):
+    """The C++ path's keys (bytes) hold what the Python path's do: every array's shape, strides,
+    dtype (byte order included), device and address % 16, which arguments are absent, the head
+    and options with their types (0 is not False, "a" not ("a",)); for in-place calls whether a
+    written array spans a read-only one and the written arrays' relative address where their
+    spans meet. Fresh arrays in the same layout share a key; a call it cannot key (another array
+    type, an option of another type) gives None; the arguments are checked."""
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    fast = cupy_ext[0]
+
+    def key(head=("rope", False), opts=("sbhd", False, 1, 0), arrays=None, written=0):
+        return fast({}, head, opts, arrays, written)
+
+    def x(dtype=np.float16, offset=0, shape=(4, 2, 3, 8)):
+        return dev.array(shape, dtype, offset)
+
+    f = dev.array((16, 8), np.float32)
+    k1 = key(arrays=(x(), f, None))
+    assert type(k1) is bytes and k1 == key(arrays=(x(), f, None))
+    big = dev.array((4, 2, 3, 16), np.float16)
+    others = [key(opts=("sbhd", 0, 1, 0), arrays=(x(), f, None)),  # 0 is not False
+              key(opts=("sbhd", False, 1, 0, None), arrays=(x(), f, None)),
+              key(opts=(("sbhd",), False, 1, 0), arrays=(x(), f, None)),
+              key(opts=("bshd", False, 1, 0), arrays=(x(), f, None)),
+              key(opts=("sbhd", False, 2, 0), arrays=(x(), f, None)),
+              key(head=("rope", True), arrays=(x(), f, None)),
+              key(head=("qk", False), arrays=(x(), f, None)),
+              key(arrays=(x().transpose(1, 0, 2, 3), f, None)),
+              key(arrays=(big[..., :8], f, None)),  # the same shape, other strides
+              key(arrays=(x(np.float32), f, None)),
+              key(arrays=(x(">f2"), f, None)),
+              key(arrays=(x(offset=2), f, None)),
+              key(arrays=(x(shape=(4, 2, 3, 16))[..., ::2], f, None)),
+              key(arrays=(x(), f[:8], None)),
+              key(arrays=(x(), f, f[:, 0])),
+              key(arrays=(x(), None, f)),
+              key(arrays=(x(), f, None, None))]
+    assert all(type(o) is bytes and o != k1 for o in others) and len(set(others)) == len(others)
+    other_dev = cupy.ndarray((4, 2, 3, 8), np.float16, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(1 << 20, 1 << 20, None, device_id=1), 0))
+    assert key(arrays=(other_dev, f, None)) != key(arrays=(x(), f, None))
+    # calls it cannot key
+    assert key(arrays=(x(), np.zeros((16, 8), np.float32), None)) is None
+    assert key(opts=("sbhd", np.bool_(False), 1, 0), arrays=(x(), f, None)) is None
+    assert key(opts=("sbhd", False, 1.0, 0), arrays=(x(), f, None)) is None
+    assert key(opts=("sbhd", False, 2**63, 0), arrays=(x(), f, None)) is None
+    # in place: overlaps
+    qkv_opts = ("bshd", False, 1, 0, True)
+
+    def inplace(q, k, table=f):
+        return key(("qk", False), qkv_opts, (q, k, table, None, None), written=2)
+
+    def fused():
+        qkv = dev.array((2, 3, 3, 1, 8), np.float32)
+        return qkv[:, :, 0], qkv[:, :, 1]
+
+    step = inplace(*fused())
+    assert step == inplace(*fused())
+    sep = inplace(x(np.float32, shape=(2, 3, 1, 8)), x(np.float32, shape=(2, 3, 1, 8)))
+    assert sep != step and sep == inplace(x(np.float32, shape=(2, 3, 1, 8)), x(np.float32, shape=(2, 3, 1, 8)))
+    buf = dev.array((256,), np.float32)
+    q = buf[:48].reshape(2, 3, 1, 8)
+    assert inplace(q, buf[64:112].reshape(2, 3, 1, 8)) == sep
+    shifted = inplace(q, buf[16:64].reshape(2, 3, 1, 8))
+    assert shifted not in (sep, step)
+    assert inplace(q, buf[192:240].reshape(2, 3, 1, 8), buf[48:176].reshape(16, 8)) == sep  # right after q
+    assert inplace(q, buf[192:240].reshape(2, 3, 1, 8), buf[40:168].reshape(16, 8)) != sep  # over q's last 8
+    assert inplace(q, buf[192:240].reshape(2, 3, 1, 8), buf[112:240].reshape(16, 8)) != sep  # over k
+    assert inplace(q, buf[16:64].reshape(2, 3, 1, 8)) != inplace(q, buf[8:56].reshape(2, 3, 1, 8))  # relative address
+    one = key(arrays=(buf[:96].reshape(2, 3, 2, 8), buf[96:224].reshape(16, 8), None), written=1)
+    assert one != key(arrays=(buf[:96].reshape(2, 3, 2, 8), buf[88:216].reshape(16, 8), None), written=1)
+    # a read-only array over a written one's last element, or over a reversed one; empty arrays span nothing
+    big = dev.array((1024,), np.float32)
+    q, far = big[:48].reshape(2, 3, 1, 8), big[512:560].reshape(2, 3, 1, 8)
+    assert inplace(q, far, big[47:175].reshape(16, 8)) != inplace(q, far, big[195:323].reshape(16, 8))
+    rev = big[:48][::-1].reshape(2, 3, 1, 8)
+    assert inplace(rev, far, big[40:168].reshape(16, 8)) != inplace(rev, far, big[200:328].reshape(16, 8))
+    assert inplace(q, far, big[:8].reshape(2, 4)[:, :0]) == inplace(q, far, big[800:808].reshape(2, 4)[:, :0])
+    # tuples carry their lengths
+    assert key(opts=("sbhd", (4, 1), 1), arrays=(x(), f)) != key(opts=("sbhd", (4,), 1, 1), arrays=(x(), f))
+    # the arguments
+    with pytest.raises(TypeError, match="expected"):
+        fast({}, ("rope",), (), [x()], 0)
+    with pytest.raises(ValueError, match="written"):
+        fast({}, ("rope",), (), (x(),), 3)
+
+
+class FakeDriverError(RuntimeError):
+    def __init__(self, rc):
+        super().__init__(f"CUresult {rc}")
+
+
+def test_cpp_path_leaves_other_alignments_to_the_python_path(monkeypatch, cupy_ext):
+    """An output the allocator places at another alignment than the prepared launch's is left to
+    the Python path (which plans for it: a miss, no launch from the C++ path)."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    f = dev.array((16, 1, 1, 32), np.float32)
+    x = dev.array((5, 2, 3, 32), np.float16)
+    cupy_rope.apply_rope(x, f)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=float, order="C": dev.array(shape, dtype, 2))
+    dev.misalign = 2
+    stats, n = dict(_launch._STATS), len(dev.driver.blocks)
+    y = cupy_rope.apply_rope(x, f)
+    assert y.data.ptr % 16 == 2 and len(dev.driver.blocks) == n + 1
+    assert _launch._STATS["misses"] == stats["misses"] + 1 and _launch._STATS["hits"] == stats["hits"]
+    assert cupy_rope.apply_rope(x, f).data.ptr % 16 == 2 and _launch._STATS["hits"] == stats["hits"] + 1
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["cuLaunchKernel", "programmatic"])
+def test_failed_launches_raise_cupys_driver_error(monkeypatch, hit_path, pdl):
+    """A launch the driver refuses raises CuPy's driver error with the CUresult, on a miss and on
+    a hit (the Python path and the C++ path, plain and programmatic launches)."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path, pdl)
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", FakeDriverError)  # CuPy's needs libcuda
+    f = dev.array((16, 1, 1, 32), np.float32)
+    x = dev.array((5, 2, 3, 32), np.float16)
+    cupy_rope.apply_rope(x, f)
+    dev.driver.rc = 700
+    hits = _launch._STATS["hits"]
+    with pytest.raises(FakeDriverError, match="CUresult 700"):
+        cupy_rope.apply_rope(x, f)
+    assert _launch._STATS["hits"] == hits
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    with pytest.raises(FakeDriverError, match="CUresult 700"):
+        cupy_rope.apply_rope(x, f)
+    assert len(dev.driver.blocks) == 3
+
+
+def _views(dev, shape, dtype, perm=None):
+    """A fresh fake CuPy array of ``shape``; ``perm``: laid out in that axis order in memory."""
+    if perm is None:
+        return dev.array(shape, dtype)
+    return dev.array(tuple(shape[p] for p in perm), dtype).transpose(np.argsort(perm))
+
+
+# Calls of every public entry point and layout the launch cache serves: (name, call(dev) -> the
+# call's result). Each call makes its own fresh arrays.
+def _fused_qk(dev, dt):
+    qkv = dev.array((2, 5, 3, 4, 32), dt)  # [b, s, 3, h, d]: q and k are views of one buffer
+    return qkv[:, :, 0], qkv[:, :, 1]
+
+
+HIT_CASES = {
+    "rope sbhd offsets": lambda dev, c: c.apply_rope(dev.array((5, 2, 3, 32), np.float16), dev.array((16, 1, 1, 32), np.float32),
+                                                     start_positions=dev.array((2,), np.int64)),
+    "rope bshd strided, backward": lambda dev, c: c.apply_rope_backward(
+        _views(dev, (2, 5, 3, 32), np.float32, (1, 0, 2, 3)), dev.array((8, 16), np.float32), "bshd"),
+    "rope thd cp": lambda dev, c: c.apply_rope(dev.array((12, 2, 64), np.float16), dev.array((16, 1, 1, 32), np.float32),
+                                               "thd", cu_seqlens=dev.array((3,), np.int32), cp_size=2, cp_rank=1),
+    "rope transposed output": lambda dev, c: c.apply_rope(dev.array((5, 2, 3, 32), np.float32),
+                                                          dev.array((16, 32), np.float32), transpose_output_memory=True),
+    "rope in place": lambda dev, c: (lambda x: c.apply_rope(x, dev.array((16, 32), np.float32), "bshd", out=x,
+                                                           interleaved=True))(dev.array((2, 5, 3, 32), np.float16)),
+    "qk": lambda dev, c: c.apply_rope_qk(dev.array((5, 2, 4, 32), np.float16), dev.array((5, 2, 1, 32), np.float16),
+                                         dev.array((16, 32), np.float32), start_positions=dev.array((2,), np.int32)),
+    "qk fused views in place, backward": lambda dev, c: c.apply_rope_qk_backward(
+        *_fused_qk(dev, np.float16), dev.array((16, 32), np.float32), "bshd", inplace=True),
+    "pos cos/sin cache": lambda dev, c: c.apply_rope_pos(
+        dev.array((6,), np.int64), dev.array((6, 4 * 64), np.float16), dev.array((6, 64), np.float16),
+        cos_sin_cache=dev.array((32, 64), np.float32), head_size=64),
+    "pos angles, k None, 2-D positions": lambda dev, c: c.apply_rope_pos(
+        dev.array((2, 3), np.int32), dev.array((2, 3, 4, 32), np.float32), freqs=dev.array((32, 16), np.float32),
+        rope_dim_offset=8, interleaved=True),
+    "pos inv_freq in place, inverse": lambda dev, c: c.apply_rope_pos(
+        dev.array((2, 5), np.int64), *_fused_qk(dev, np.float16), inv_freq=dev.array((16,), np.float32),
+        inplace=True, inverse=True),
+    "qkv": lambda dev, c: c.apply_qkv_rope(dev.array((5, 2, 2, 6 * 32), np.float16), dev.array((16, 32), np.float32),
+                                           dev.array((16, 32), np.float32), num_q_heads=8),
+    "qkv backward": lambda dev, c: c.apply_qkv_rope_backward(
+        dev.array((5, 2, 8, 32), np.float16), dev.array((5, 2, 2, 32), np.float16),
+        dev.array((5, 2, 2, 32), np.float16), dev.array((16, 32), np.float32), dev.array((16, 32), np.float32),
+        split=[4 * 32, 32, 32]),
+}
+
+
+def _outputs(res):
+    res = res if isinstance(res, tuple) else (res,)
+    return [None if y is None else (y.shape, y.strides, y.dtype, y.data.ptr) for y in res]
+
+
+@pytest.mark.parametrize("pdl", [False, True], ids=["cuLaunchKernel", "programmatic"])
+@pytest.mark.parametrize("case", list(HIT_CASES))
+def test_every_entry_point_hits_with_the_block_a_fresh_plan_makes(monkeypatch, hit_path, case, pdl):
+    """Each entry point and layout the launch cache serves, on fake CuPy memory: a second call
+    with fresh arrays of the same layout is a hit, and the parameter blocks it launches are the
+    blocks a fresh plan of those arrays (the cache emptied, the allocator replayed) launches, its
+    outputs the same arrays, its launch the same (grid, block, stream; with programmatic
+    dependent launches through cuLaunchKernelEx with the programmatic attribute). Served by the
+    Python path and by the C++ path."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path, pdl)
+    call = HIT_CASES[case]
+    call(dev, cupy_rope)
+    hits, mark = _launch._STATS["hits"], dev.next
+    hit = _outputs(call(dev, cupy_rope))
+    assert _launch._STATS["hits"] == hits + 1 and len(dev.driver.blocks) == 2
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    dev.next = mark
+    fresh = _outputs(call(dev, cupy_rope))
+    assert _launch._STATS["hits"] == hits + 1 and len(dev.driver.blocks) == 3
+    assert dev.driver.blocks[1] == dev.driver.blocks[2] and dev.driver.blocks[1] != dev.driver.blocks[0]
+    assert hit == fresh and dev.driver.streams == [0xABC0] * 3 and len(set(dev.driver.geometry)) == 1
+    assert len(dev.driver.configs) == (3 if pdl else 0) and len(set(map(str, dev.driver.configs))) <= 1
+    assert all(c[2:] == (0, [(6, 1)]) for c in dev.driver.configs)
 
 
 def test_cache_is_bounded(monkeypatch):
@@ -370,3 +682,86 @@ def test_grid_limit_is_the_last_block_index_below_2_31():
     assert _launch.check_grid(SimpleNamespace(grid=(2**31 - 1, 2))) == (2**31 - 1, 2)
     with pytest.raises(ValueError, match=r"problem too large for one launch \(2147483648 blocks\)"):
         _launch.check_grid(SimpleNamespace(grid=(2**31, 1)))
+
+
+class GpuDevice:
+    """Real CuPy arrays with the FakeCupyDevice's ``array`` signature: random values from a
+    seeded generator (index arrays: sorted small non-negative ints), so that a seed replays the
+    same inputs."""
+
+    def __init__(self, cupy, seed):
+        self.cupy, self.rng = cupy, np.random.default_rng(seed)
+
+    def array(self, shape, dtype, offset=0):
+        assert offset == 0
+        dt = np.dtype(dtype)
+        if dt.kind == "i":
+            a = np.sort(self.rng.integers(0, 12, shape), axis=-1).astype(dt)
+        else:
+            a = self.rng.uniform(-2, 2, shape).astype(dt)
+        return self.cupy.asarray(a)
+
+
+def _host(res):
+    res = res if isinstance(res, tuple) else (res,)
+    return [None if y is None else (y.shape, y.strides, y.dtype, y.get().tobytes()) for y in res]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(HIT_CASES))
+def test_gpu_cupy_hits_from_the_cpp_path_match_the_python_path(monkeypatch, case):
+    """On the GPU: the C++ CuPy path loads wherever it can be built and serves the hits; each
+    entry point's hit gives results bit-identical to the Python path's on the same inputs."""
+    import cupy
+    import cupy_rope
+    from cupy_rope import _cupy_ext
+
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    call = HIT_CASES[case]
+    call(GpuDevice(cupy, 0), cupy_rope)
+    if _cupy_ext.missing_tools():
+        assert _launch.CUPY_EXT is None
+        pytest.skip(f"no C++ CuPy path here: {_cupy_ext.missing_tools()}")
+    assert _launch.CUPY_EXT is not None and all(e[2] is not None for e in _launch._CACHE.values())
+    hits = _launch._STATS["hits"]
+    native = _host(call(GpuDevice(cupy, 1), cupy_rope))
+    assert _launch._STATS["hits"] == hits + 1
+    monkeypatch.setattr(_launch, "CUPY_EXT", None)
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    call(GpuDevice(cupy, 0), cupy_rope)
+    python = _host(call(GpuDevice(cupy, 1), cupy_rope))
+    assert _launch._STATS["hits"] == hits + 2
+    assert native == python
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_hits_follow_the_current_stream_and_graph_capture():
+    """A hit launches on CuPy's current stream: inside ``with stream`` and captured into a CUDA
+    graph, whose replays rotate the new contents of the same arrays."""
+    import cupy
+    import cupy_rope
+    from reference import assert_close_to_ref, rope_ref
+
+    rng = np.random.default_rng(5)
+    f = rng.uniform(-4, 4, (32, 1, 1, 64)).astype(np.float32)
+    fd = cupy.asarray(f)
+    x = cupy.asarray(rng.uniform(-1, 1, (16, 2, 4, 64)).astype(np.float32))
+    for _ in range(2):  # a miss, then a hit
+        cupy_rope.apply_rope(x, fd, out=x)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        cupy_rope.apply_rope(x, fd, out=x)
+        g = s.end_capture()
+    for _ in range(2):
+        x0 = rng.uniform(-1, 1, x.shape).astype(np.float32)
+        x.set(x0)
+        g.launch(s)
+        s.synchronize()
+        assert_close_to_ref(x.get(), rope_ref(x0, f), x0, 64, "float32")
+    with s:
+        x0 = rng.uniform(-1, 1, x.shape).astype(np.float32)
+        x.set(x0, stream=s)
+        y = cupy_rope.apply_rope(x, fd)
+        s.synchronize()
+    assert_close_to_ref(y.get(), rope_ref(x0, f), x0, 64, "float32")

@@ -1,7 +1,8 @@
-// The kernel launch of cupy_rope's C++ launch paths (the torch ops' csrc/torch_launch.cpp and the
-// XLA handler csrc/xla_launch.cpp), without CUDA headers: cuLaunchKernel and cuLaunchKernelEx are
-// looked up in libcuda when first needed, their structs declared as cuda.h lays them out. The
-// Python launch layer (cupy_rope/_launch.py) declares the same structs for ctypes.
+// The kernel launch of cupy_rope's C++ launch paths (the torch ops' csrc/torch_launch.cpp, the
+// XLA handler csrc/xla_launch.cpp, the CuPy launch-cache hits' csrc/cupy_launch.cpp), without CUDA
+// headers: cuLaunchKernel and cuLaunchKernelEx are looked up in libcuda when first needed, their
+// structs declared as cuda.h lays them out. The Python launch layer (cupy_rope/_launch.py)
+// declares the same structs for ctypes.
 #pragma once
 
 #include <dlfcn.h>
@@ -37,11 +38,12 @@ inline void* libcuda_symbol(const char* name) {
 }
 
 // Launch kernel `fn` on a (gx, gy) grid of `block`-thread blocks on `stream` with the parameter
-// blocks `argv`; `pdl`: as a programmatic dependent launch (cuLaunchKernelEx with the programmatic
-// stream serialization attribute). Returns the CUresult (kLibcudaMissing: no such entry point).
-inline int launch(void* fn, unsigned gx, unsigned gy, unsigned block, void* stream, void** argv, bool pdl) {
+// blocks `argv`, through the driver entry points `plain` (cuLaunchKernel) and `ex`
+// (cuLaunchKernelEx); `pdl`: as a programmatic dependent launch (`ex` with the programmatic stream
+// serialization attribute). Returns the CUresult (kLibcudaMissing: the entry point is null).
+inline int launch_with(LaunchFn plain, LaunchExFn ex, void* fn, unsigned gx, unsigned gy, unsigned block,
+                       void* stream, void** argv, bool pdl) {
   if (pdl) {
-    static const auto ex = reinterpret_cast<LaunchExFn>(libcuda_symbol("cuLaunchKernelEx"));
     if (ex == nullptr) return kLibcudaMissing;
     LaunchAttribute attr{};
     attr.id = kProgrammaticStreamSerialization;
@@ -49,9 +51,15 @@ inline int launch(void* fn, unsigned gx, unsigned gy, unsigned block, void* stre
     const LaunchConfig cfg{{gx, gy, 1}, {block, 1, 1}, 0, stream, &attr, 1};
     return ex(&cfg, fn, argv, nullptr);
   }
-  static const auto plain = reinterpret_cast<LaunchFn>(libcuda_symbol("cuLaunchKernel"));
   if (plain == nullptr) return kLibcudaMissing;
   return plain(fn, gx, gy, 1, block, 1, 1, 0, stream, argv, nullptr);
+}
+
+// launch_with libcuda's entry points (looked up on first use).
+inline int launch(void* fn, unsigned gx, unsigned gy, unsigned block, void* stream, void** argv, bool pdl) {
+  static const auto ex = reinterpret_cast<LaunchExFn>(libcuda_symbol("cuLaunchKernelEx"));
+  static const auto plain = reinterpret_cast<LaunchFn>(libcuda_symbol("cuLaunchKernel"));
+  return launch_with(plain, ex, fn, gx, gy, block, stream, argv, pdl);
 }
 
 }  // namespace cupy_rope
