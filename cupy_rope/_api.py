@@ -210,7 +210,8 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
                              cp_rank, backward)
         if res is not None:
             return res
-    if kind is not None and not _DEBUG[0]:
+    # cached only with inplace a bool itself (the key's overlap signature depends on it)
+    if kind is not None and not _DEBUG[0] and (inplace is True or inplace is False):
         key, res = _launch.lookup(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),
                                   (q, k, freqs, cu_seqlens, start_positions), written=2 if inplace is True else 0)
         if res is not None:
@@ -261,7 +262,8 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
         return _jax_ops().apply_rope_pos(positions, q, k, **tables, head_size=head_size,
                                          interleaved=interleaved, rope_dim_offset=rope_dim_offset,
                                          inverse=inverse)
-    given = [n for n, t in tables.items() if t is not None] if kind is not None and not _DEBUG[0] else ()
+    cached = kind is not None and not _DEBUG[0] and (inplace is True or inplace is False)  # as in _rope_qk
+    given = [n for n, t in tables.items() if t is not None] if cached else ()
     if len(given) == 1:  # cached per table kind; the one table given is the launch's "freqs"
         key, res = _launch.lookup(kind, ("pos", k is None, given[0]),
                                   (head_size, interleaved, rope_dim_offset, inverse, inplace),

@@ -565,6 +565,49 @@ def test_failed_launches_raise_cupys_driver_error(monkeypatch, hit_path, pdl):
     assert len(dev.driver.blocks) == 3
 
 
+def test_cpp_functions_check_their_arguments(cupy_ext):
+    """The C++ path's configure and entry refuse arguments of the wrong kind (nothing changes)."""
+    cupy = pytest.importorskip("cupy")
+    fast, entry_fn, configure_fn = cupy_ext
+    ok = (cupy.ndarray, cupy.ndarray, cupy.cuda.get_current_stream, _launch.raise_driver_error, 0, 0, 0)
+    for i, bad in ((0, "ndarray"), (1, None), (2, 3), (3, "raise")):
+        with pytest.raises(TypeError, match="configure: expected"):
+            configure_fn(*ok[:i], bad, *ok[i + 1:])
+    configure_fn(*ok)
+    good = (1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (2, 3), 0, 0),), 0, 0)
+    assert type(entry_fn(*good)).__name__ == "PyCapsule"
+    for i, bad, exc in ((5, bytes(12), ValueError), (6, (0, 5), ValueError), (6, [0], TypeError),
+                        (7, ((2,),), ValueError), (7, ((1.0,),), TypeError), (8, ((0, [2, 3], 0, 0),), ValueError),
+                        (8, ((-1, (2, 3), 0, 0),), ValueError), (5, "x", TypeError)):
+        with pytest.raises(exc):
+            entry_fn(*good[:i], bad, *good[i + 1:])
+
+
+@pytest.mark.parametrize("entry", ["qk", "pos"])
+def test_in_place_calls_with_a_numpy_bool_are_validated_every_time(monkeypatch, hit_path, entry):
+    """``inplace`` given as a NumPy bool (accepted as a bool) is not cached: whether an in-place
+    call's q and k may overlap is keyed only for ``inplace`` a bool itself, so a later call whose
+    q and k share elements is refused, not served from a cached launch."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path)
+    f = dev.array((16, 32), np.float32)
+    pos = dev.array((5,), np.int64)
+
+    def call(q, k):
+        if entry == "qk":
+            return cupy_rope.apply_rope_qk(q, k, f, "bshd", inplace=np.bool_(True))
+        return cupy_rope.apply_rope_pos(pos, q, k, freqs=f, inplace=np.bool_(True))
+
+    shape = (1, 5, 2, 32) if entry == "qk" else (5, 2, 32)
+    for _ in range(2):
+        call(dev.array(shape, np.float16), dev.array(shape, np.float16))
+    same = dev.array(shape, np.float16)
+    with pytest.raises(ValueError, match="`k`"):
+        call(same, same)
+
+
 def _views(dev, shape, dtype, perm=None):
     """A fresh fake CuPy array of ``shape``; ``perm``: laid out in that axis order in memory."""
     if perm is None:
@@ -643,6 +686,60 @@ def test_every_entry_point_hits_with_the_block_a_fresh_plan_makes(monkeypatch, h
     assert hit == fresh and dev.driver.streams == [0xABC0] * 3 and len(set(dev.driver.geometry)) == 1
     assert len(dev.driver.configs) == (3 if pdl else 0) and len(set(map(str, dev.driver.configs))) <= 1
     assert all(c[2:] == (0, [(6, 1)]) for c in dev.driver.configs)
+
+
+def _fuzz_arrays(case, dev):
+    """A fuzz case's arrays (:mod:`fuzz`) on fake CuPy memory: each NumPy buffer of the case one
+    fresh fake allocation, each array the case's view over it (any strides, offsets)."""
+    import cupy
+
+    native, bufs = {}, {}
+    for name, laid in case.arrays.items():
+        if name == "k_freqs" and laid is case.arrays.get("q_freqs"):
+            native[name] = native["q_freqs"]
+            continue
+        if id(laid.base) not in bufs:
+            bufs[id(laid.base)] = dev.array(laid.base.shape, laid.base.dtype)
+        isz = laid.base.itemsize
+        native[name] = cupy.lib.stride_tricks.as_strided(bufs[id(laid.base)][laid.offset:], laid.shape,
+                                                         tuple(s * isz for s in laid.strides))
+    if case.out_is_input:
+        native["out"] = native["x" if case.entry == "rope" else "grad"]
+    return native
+
+
+@pytest.mark.parametrize("seeds", [(0, 1000), (400000, 401000)], ids=lambda s: f"{s[0]}:{s[1]}")
+def test_fuzz_cases_hit_with_the_block_a_fresh_plan_makes(monkeypatch, hit_path, seeds):
+    """The fuzz's valid cases (every entry point; strided, reversed, broadcast, offset arrays;
+    in place and ``out``) on fake CuPy memory, each called three times: once, again with fresh
+    arrays of the same layout (a hit where the call is cached), and once more with the cache
+    emptied and the allocator replayed (a fresh plan of the same arrays): the second and third
+    calls launch the same parameter blocks and return arrays of the same shapes, strides,
+    dtypes and addresses. Served by the Python path and by the C++ path."""
+    import fuzz
+
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path)
+    ran = hit = 0
+    for seed in range(*seeds):
+        case = fuzz.draw(seed, "cupy")
+        if case.expect_error:
+            continue
+        case.meta["via"] = "api"
+        monkeypatch.setattr(_launch, "_CACHE", {})
+        fuzz.call(case, "cupy", _fuzz_arrays(case, dev))
+        n, hits, mark = len(dev.driver.blocks), _launch._STATS["hits"], dev.next
+        second = _outputs(fuzz.call(case, "cupy", _fuzz_arrays(case, dev)))
+        launched = dev.driver.blocks[n:]
+        hit += _launch._STATS["hits"] - hits
+        monkeypatch.setattr(_launch, "_CACHE", {})
+        dev.next = mark
+        third = _outputs(fuzz.call(case, "cupy", _fuzz_arrays(case, dev)))
+        assert dev.driver.blocks[n + len(launched):] == launched and second == third, case.describe()
+        ran += bool(launched)
+    assert ran > 100 and hit > 50, (ran, hit)
 
 
 def test_cache_is_bounded(monkeypatch):
