@@ -314,6 +314,11 @@ def overlap_signature(kind, arrays, written: int) -> tuple:
     return ro, rel
 
 
+def _types(opts: tuple) -> tuple:
+    """The types of ``opts``, those inside tuples included (``(4.0, 1)`` is not ``(4, 1)``)."""
+    return tuple(_types(o) if type(o) is tuple else type(o) for o in opts)
+
+
 def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     """(key, addresses) of a call, or (None, None) when it cannot be cached (an array of another
     kind). Options are keyed with their types: only calls whose exact options a first call
@@ -323,7 +328,7 @@ def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     descs, ptrs = [], []
     if not _DESCS[kind](arrays, descs, ptrs):
         return None, None
-    key = (head, opts, tuple(map(type, opts)), tuple(descs))
+    key = (head, opts, _types(opts), tuple(descs))
     if written:
         key += overlap_signature(kind, arrays, written)
     return key, ptrs

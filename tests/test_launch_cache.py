@@ -54,7 +54,9 @@ def test_key_carries_descriptors_and_typed_options(cpu_cache):
               cpu_cache.cache_key("torch", ("rope",), ("sbhd", False, 1, 0), (x.half(), f, None))[0],
               cpu_cache.cache_key("torch", ("rope",), ("sbhd", False, 1, 0), (x, f[:8], None))[0],
               cpu_cache.cache_key("torch", ("rope",), ("sbhd", False, 1, 0), (x, f, f[:, 0]))[0],
-              cpu_cache.cache_key("torch", ("qk",), ("sbhd", False, 1, 0), (x, f, None))[0]]
+              cpu_cache.cache_key("torch", ("qk",), ("sbhd", False, 1, 0), (x, f, None))[0],
+              cpu_cache.cache_key("torch", ("rope",), ("sbhd", False, 1, 0, (4, 1)), (x, f, None))[0],
+              cpu_cache.cache_key("torch", ("rope",), ("sbhd", False, 1, 0, (4.0, 1)), (x, f, None))[0]]
     assert all(o != k1 for o in others) and len(set(others)) == len(others)
 
 
