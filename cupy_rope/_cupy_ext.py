@@ -22,17 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import sysconfig
-import warnings
 from pathlib import Path
 
 from . import _cxx, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "cupy_launch.cpp"
-HEADERS = (SOURCE.parent / "cuda_launch.h",)
-
-
-def mode() -> str:
-    return _cxx.mode("CUPY_ROPE_CUPY_EXT")
+HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "py_values.h")
 
 
 def _python_include() -> Path:
@@ -83,19 +78,13 @@ def load():
     """``(fast, entry)`` of the library per ``CUPY_ROPE_CUPY_EXT``, configured for CuPy: ``fast``
     the C++ hit path, ``entry(prepared, outputs)`` a prepared launch's C++ entry; or None (the
     Python path)."""
-    m = mode()
-    if m == "0" or (m == "auto" and missing_tools()):
-        return None
-    try:
+    def load_configured():
         fast, entry_fn, configure_fn = functions(build())
         configure(configure_fn)
-    except Exception as e:
-        if m == "1":
-            raise
-        warnings.warn(f"cupy_rope: the CuPy launch path is unavailable ({type(e).__name__}: {e}); "
-                      "using the Python launch path", RuntimeWarning, stacklevel=4)
-        return None
-    return fast, functools.partial(entry, entry_fn)
+        return fast, functools.partial(entry, entry_fn)
+
+    return _cxx.optional("CUPY_ROPE_CUPY_EXT", load_configured, "cupy_rope: the CuPy launch path",
+                         "using the Python launch path", skip=missing_tools())
 
 
 def entry(entry_fn, prepared, outputs):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 
@@ -32,6 +33,23 @@ def mode(env: str) -> str:
     if m not in ("auto", "0", "1"):
         raise ValueError(f"cupy_rope: environment variable {env}: expected auto, 0 or 1, got {m!r}")
     return m
+
+
+def optional(env: str, load, what: str, instead: str, skip: str = ""):
+    """An optional C++ path per its switch ``env`` (:func:`mode`): ``load()``'s result, or None
+    where the path is not used: the switch is ``0``; it is ``auto`` and ``skip`` says why the path
+    does not apply here (silently); it is ``auto`` and ``load`` raised (a warning naming ``what``
+    and the fallback, ``instead``). With ``1``, whatever ``load`` raises is raised."""
+    m = mode(env)
+    if m == "0" or (m == "auto" and skip):
+        return None
+    try:
+        return load()
+    except Exception as e:
+        if m == "1":
+            raise
+        warnings.warn(f"{what} is unavailable ({type(e).__name__}: {e}); {instead}", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def cache_dir() -> Path:

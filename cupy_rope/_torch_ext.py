@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 import sysconfig
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -26,13 +25,9 @@ import torch
 from . import _cxx, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "torch_launch.cpp"
-HEADERS = (SOURCE.parent / "cuda_launch.h",)
+HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "py_values.h")
 _state = threading.local()  # .on: this thread resolves a miss of the C++ path
 _LOADED: list = []
-
-
-def mode() -> str:
-    return _cxx.mode("CUPY_ROPE_TORCH_EXT")
 
 
 def missing_tools() -> str:
@@ -89,16 +84,8 @@ def _load_fast(path) -> None:
 
 def load() -> bool:
     """Load the C++ path according to ``CUPY_ROPE_TORCH_EXT``; True when it serves the ops."""
-    m = mode()
-    if m == "0" or (m == "auto" and not torch.cuda.is_available()):
-        return False
-    try:
-        build()
-    except Exception as e:
-        if m == "1":
-            raise
-        warnings.warn(f"cupy_rope.torch: the C++ launch path is unavailable ({type(e).__name__}: {e}); "
-                      "using the Python launch path", RuntimeWarning, stacklevel=3)
+    if _cxx.optional("CUPY_ROPE_TORCH_EXT", build, "cupy_rope.torch: the C++ launch path", "using the Python "
+                     "launch path", skip="" if torch.cuda.is_available() else "torch sees no CUDA device") is None:
         return False
     from . import _api
 

@@ -25,7 +25,6 @@ import ctypes
 import functools
 import inspect
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -69,16 +68,8 @@ def ffi_library():
     if not _ffi:
         with _lock:
             if not _ffi:
-                m, lib = _cxx.mode("CUPY_ROPE_XLA_FFI"), None
-                if m != "0":
-                    try:
-                        lib = _load_ffi()
-                    except Exception as e:
-                        if m == "1":
-                            raise
-                        warnings.warn(f"cupy_rope.jax: the XLA launch handler is unavailable ({type(e).__name__}: "
-                                      f"{e}); using buffer callbacks", RuntimeWarning, stacklevel=3)
-                _ffi.append(lib)
+                _ffi.append(_cxx.optional("CUPY_ROPE_XLA_FFI", _load_ffi, "cupy_rope.jax: the XLA launch handler",
+                                          "using buffer callbacks"))
     return _ffi[0]
 
 

@@ -13,6 +13,44 @@ from cupy_rope import _api, _kernels, _launch
 torch = pytest.importorskip("torch")
 
 
+def test_optional_cpp_paths_follow_their_switch(monkeypatch):
+    """An optional C++ path's switch: ``0`` never loads, ``auto`` skips silently where the path
+    does not apply and warns (naming the path and the fallback) where loading fails, ``1``
+    raises what loading raised; any other value is an error naming the variable."""
+    import warnings
+
+    from cupy_rope import _cupy_ext, _cxx
+
+    def fails():
+        raise RuntimeError("no compiler")
+
+    for env, skip, load, want in (("0", "", lambda: 1 / 0, None), ("auto", "no GPU", lambda: 1 / 0, None),
+                                  ("auto", "", lambda: "lib", "lib"), ("1", "no GPU", lambda: "lib", "lib")):
+        monkeypatch.setenv("CUPY_ROPE_TEST_EXT", env)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _cxx.optional("CUPY_ROPE_TEST_EXT", load, "the test path", "falling back", skip=skip) == want
+    monkeypatch.setenv("CUPY_ROPE_TEST_EXT", "auto")
+    with pytest.warns(RuntimeWarning, match=r"the test path is unavailable \(RuntimeError: no compiler\); falling back"):
+        assert _cxx.optional("CUPY_ROPE_TEST_EXT", fails, "the test path", "falling back") is None
+    monkeypatch.setenv("CUPY_ROPE_TEST_EXT", "1")
+    with pytest.raises(RuntimeError, match="no compiler"):
+        _cxx.optional("CUPY_ROPE_TEST_EXT", fails, "the test path", "falling back")
+    monkeypatch.setenv("CUPY_ROPE_TEST_EXT", "on")
+    with pytest.raises(ValueError, match="CUPY_ROPE_TEST_EXT: expected auto, 0 or 1, got 'on'"):
+        _cxx.optional("CUPY_ROPE_TEST_EXT", fails, "the test path", "falling back")
+    # the CuPy path: off, tools missing (auto: the Python path; 1: an error saying what is missing)
+    monkeypatch.setattr(_cupy_ext, "functions", lambda path: pytest.fail("loaded"))
+    monkeypatch.setenv("CUPY_ROPE_CUPY_EXT", "0")
+    assert _cupy_ext.load() is None
+    monkeypatch.setattr(_cupy_ext, "missing_tools", lambda: "no Python.h")
+    monkeypatch.setenv("CUPY_ROPE_CUPY_EXT", "auto")
+    assert _cupy_ext.load() is None
+    monkeypatch.setenv("CUPY_ROPE_CUPY_EXT", "1")
+    with pytest.raises(RuntimeError, match="cannot build the CuPy launch path: no Python.h"):
+        _cupy_ext.load()
+
+
 class FakePrepared:
     device = 0
 
@@ -688,6 +726,43 @@ def test_every_entry_point_hits_with_the_block_a_fresh_plan_makes(monkeypatch, h
     assert hit == fresh and dev.driver.streams == [0xABC0] * 3 and len(set(dev.driver.geometry)) == 1
     assert len(dev.driver.configs) == (3 if pdl else 0) and len(set(map(str, dev.driver.configs))) <= 1
     assert all(c[2:] == (0, [(6, 1)]) for c in dev.driver.configs)
+
+
+def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
+    """Hits of every entry point through the C++ path leave no Python object behind (traced
+    memory flat over a thousand rounds)."""
+    import gc
+    import sys
+    import tracemalloc
+
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    monkeypatch.setattr(dev.driver, "record", lambda *args: None)
+    calls = list(HIT_CASES.values())
+
+    def rounds(n):
+        for _ in range(n):
+            for call in calls:
+                call(dev, cupy_rope)
+
+    dtypes = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)]  # shared objects
+    rounds(20)
+    hits = _launch._STATS["hits"]
+    gc.collect()
+    refs = [sys.getrefcount(t) for t in dtypes]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        rounds(1000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert _launch._STATS["hits"] == hits + 1000 * len(calls)
+    assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits"
+    assert [sys.getrefcount(t) for t in dtypes] == refs
 
 
 def _fuzz_arrays(case, dev):

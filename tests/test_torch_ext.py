@@ -27,11 +27,12 @@ def _run(code: str, mode: str):
 def test_env_switch_is_validated(monkeypatch):
     from cupy_rope import _torch_ext
 
+    monkeypatch.setattr(_torch_ext, "build", lambda: pytest.fail("built"))
     monkeypatch.setenv("CUPY_ROPE_TORCH_EXT", "yes")
     with pytest.raises(ValueError, match="CUPY_ROPE_TORCH_EXT: expected auto, 0 or 1, got 'yes'"):
-        _torch_ext.mode()
+        _torch_ext.load()
     monkeypatch.setenv("CUPY_ROPE_TORCH_EXT", "0")
-    assert _torch_ext.mode() == "0"
+    assert _torch_ext.load() is False
 
 
 def test_builds_and_loads_beside_the_cpu_kernels():

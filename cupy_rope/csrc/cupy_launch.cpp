@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cuda_launch.h"
+#include "py_values.h"
 
 namespace {
 
@@ -75,17 +76,7 @@ PyObject *s_shape, *s_strides, *s_dtype, *s_data, *s_ptr, *s_device_id, *s_num, 
 std::unordered_map<PyObject*, int64_t>* dtype_codes;
 constexpr size_t kMaxDtypes = 256;
 
-bool to_i64(PyObject* o, int64_t& v) {
-  if (!PyLong_Check(o)) return false;
-  int overflow = 0;
-  const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
-  if (overflow != 0 || (x == -1 && PyErr_Occurred())) {
-    PyErr_Clear();
-    return false;
-  }
-  v = x;
-  return true;
-}
+using cupy_rope::py_int64;
 
 // attribute `name` of `o` as an int64 (false: absent or not an int in range)
 bool attr_i64(PyObject* o, PyObject* name, int64_t& v) {
@@ -94,7 +85,7 @@ bool attr_i64(PyObject* o, PyObject* name, int64_t& v) {
     PyErr_Clear();
     return false;
   }
-  const bool ok = to_i64(a, v);
+  const bool ok = py_int64(a, v);
   Py_DECREF(a);
   return ok;
 }
@@ -104,7 +95,7 @@ bool push_ints(PyObject* t, std::vector<int64_t>& out) {
   if (t == nullptr || !PyTuple_Check(t)) return false;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t); ++i) {
     int64_t v;
-    if (!to_i64(PyTuple_GET_ITEM(t, i), v)) return false;
+    if (!py_int64(PyTuple_GET_ITEM(t, i), v)) return false;
     out.push_back(v);
   }
   return true;
@@ -120,16 +111,13 @@ bool push_value(PyObject* o, Key& key, int depth) {
     key.push_back(o == Py_True);
   } else if (PyLong_CheckExact(o)) {
     int64_t v;
-    if (!to_i64(o, v)) return false;
+    if (!py_int64(o, v)) return false;
     key.push_back(INT);
     key.push_back(v);
   } else if (PyUnicode_CheckExact(o)) {
     Py_ssize_t n = 0;
-    const char* c = PyUnicode_AsUTF8AndSize(o, &n);
-    if (c == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
+    const char* c = nullptr;
+    if (!cupy_rope::py_utf8(o, c, n)) return false;
     key.push_back(STR);
     key.push_back(n);
     for (Py_ssize_t i = 0; i < n; i += 8) {
@@ -281,7 +269,7 @@ Served run(const Entry& e, PyObject* arrays, std::vector<int64_t>& addr, PyObjec
   PyObject* s = PyObject_CallFunction(stream_fn, "n", e.device);
   if (s == nullptr) return FAILED;
   int64_t stream = 0;
-  bool ok = PyLong_Check(s) ? to_i64(s, stream) : attr_i64(s, s_ptr, stream);
+  bool ok = PyLong_Check(s) ? py_int64(s, stream) : attr_i64(s, s_ptr, stream);
   Py_DECREF(s);
   if (!ok) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "cupy_rope: the current stream has no handle");
@@ -421,9 +409,9 @@ PyObject* entry(PyObject*, PyObject* args) {
     PyObject* o = PyTuple_GET_ITEM(outs, i);
     Out out{0, nullptr, false, 0};
     int64_t like = -1, tr = 0;
-    ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 4 && to_i64(PyTuple_GET_ITEM(o, 0), like) &&
-         PyTuple_Check(PyTuple_GET_ITEM(o, 1)) && to_i64(PyTuple_GET_ITEM(o, 2), tr) &&
-         to_i64(PyTuple_GET_ITEM(o, 3), out.align) && like >= 0;
+    ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 4 && py_int64(PyTuple_GET_ITEM(o, 0), like) &&
+         PyTuple_Check(PyTuple_GET_ITEM(o, 1)) && py_int64(PyTuple_GET_ITEM(o, 2), tr) &&
+         py_int64(PyTuple_GET_ITEM(o, 3), out.align) && like >= 0;
     if (ok) {
       out.like = static_cast<Py_ssize_t>(like);
       out.transposed = tr != 0;

@@ -18,6 +18,8 @@
 #ifdef CUPY_ROPE_PYTHON
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include "py_values.h"
 #endif
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
@@ -414,20 +416,13 @@ bool to_ivalue(PyObject* o, c10::IValue& v) {
   } else if (PyBool_Check(o)) {
     v = o == Py_True;
   } else if (PyLong_CheckExact(o)) {
-    int overflow = 0;
-    const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow != 0 || (x == -1 && PyErr_Occurred())) {
-      PyErr_Clear();
-      return false;
-    }
-    v = static_cast<int64_t>(x);
+    int64_t x = 0;
+    if (!cupy_rope::py_int64(o, x)) return false;
+    v = x;
   } else if (PyUnicode_CheckExact(o)) {
     Py_ssize_t n = 0;
-    const char* c = PyUnicode_AsUTF8AndSize(o, &n);
-    if (c == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
+    const char* c = nullptr;
+    if (!cupy_rope::py_utf8(o, c, n)) return false;
     v = std::string(c, static_cast<size_t>(n));
   } else {
     return false;
