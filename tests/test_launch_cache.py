@@ -763,6 +763,20 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
     assert _launch._STATS["hits"] == hits + 1000 * len(calls)
     assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits"
     assert [sys.getrefcount(t) for t in dtypes] == refs
+    # arrays of ever new dtype objects: the C++ path's dtype codes are a bounded cache
+    fast = cupy_ext[0]
+    tracemalloc.start()
+    try:
+        for i in range(3000):
+            fast({}, ("rope",), (), (dev.array((4,), np.dtype(np.float32, metadata={"i": i})),), 0)
+            if i == 999:
+                gc.collect()
+                before = tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes more after 2000 dtypes"
 
 
 def _fuzz_arrays(case, dev):
