@@ -51,6 +51,22 @@ def test_optional_cpp_paths_follow_their_switch(monkeypatch):
         _cupy_ext.load()
 
 
+def test_cupy_path_is_decided_on_the_first_cupy_lookup(monkeypatch):
+    """The C++ CuPy path is loaded (or found unavailable) once, by the first lookup of a CuPy
+    call; lookups of other kinds never load it."""
+    from cupy_rope import _cupy_ext
+
+    loads = []
+    monkeypatch.setattr(_launch, "CUPY_EXT", False)
+    monkeypatch.setattr(_cupy_ext, "load", lambda: loads.append(1))  # None: the Python path
+    monkeypatch.setattr(_launch, "_CACHE", {})
+    assert _launch.lookup("torch", ("rope",), (), (None,)) == ((("rope",), (), (), (None,)), None)
+    assert loads == [] and _launch.CUPY_EXT is False
+    for _ in range(3):
+        assert _launch.lookup("cupy", ("rope",), (), (None,)) == ((("rope",), (), (), (None,)), None)
+    assert loads == [1] and _launch.CUPY_EXT is None
+
+
 class FakePrepared:
     device = 0
 
@@ -934,16 +950,20 @@ def test_gpu_cupy_hits_follow_the_current_stream_and_graph_capture():
     f = rng.uniform(-4, 4, (32, 1, 1, 64)).astype(np.float32)
     fd = cupy.asarray(f)
     x = cupy.asarray(rng.uniform(-1, 1, (16, 2, 4, 64)).astype(np.float32))
-    for _ in range(2):  # a miss, then a hit
+    for _ in range(2):  # a miss, then a hit; in place and out of place
         cupy_rope.apply_rope(x, fd, out=x)
+        cupy_rope.apply_rope(x, fd)
+    cupy.cuda.Device().synchronize()
+    hits = _launch._STATS["hits"]
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
-        cupy_rope.apply_rope(x, fd, out=x)
+        cupy_rope.apply_rope(x, fd, out=x)  # in place: no allocation while capturing
         g = s.end_capture()
+    assert _launch._STATS["hits"] == hits + 1
     for _ in range(2):
         x0 = rng.uniform(-1, 1, x.shape).astype(np.float32)
-        x.set(x0)
+        x.set(x0, stream=s)
         g.launch(s)
         s.synchronize()
         assert_close_to_ref(x.get(), rope_ref(x0, f), x0, 64, "float32")
@@ -952,4 +972,5 @@ def test_gpu_cupy_hits_follow_the_current_stream_and_graph_capture():
         x.set(x0, stream=s)
         y = cupy_rope.apply_rope(x, fd)
         s.synchronize()
+    assert _launch._STATS["hits"] == hits + 2
     assert_close_to_ref(y.get(), rope_ref(x0, f), x0, 64, "float32")
