@@ -746,7 +746,8 @@ def test_every_entry_point_hits_with_the_block_a_fresh_plan_makes(monkeypatch, h
 
 def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
     """Hits of every entry point through the C++ path leave no Python object behind (traced
-    memory flat over a thousand rounds)."""
+    memory flat over a thousand rounds), nor do calls it leaves to the Python path (another
+    device's context current)."""
     import gc
     import sys
     import tracemalloc
@@ -764,21 +765,34 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
                 call(dev, cupy_rope)
 
     dtypes = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)]  # shared objects
-    rounds(20)
-    hits = _launch._STATS["hits"]
-    gc.collect()
-    refs = [sys.getrefcount(t) for t in dtypes]
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        rounds(1000)
+    class Device:  # the Python path's launch in another device's context
+        def __init__(self, i):
+            pass
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    for ctx in (222, 999):  # the C++ path's hits; calls it leaves to the Python path
+        dev.ctx = ctx
+        rounds(20)
+        hits = _launch._STATS["hits"]
         gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    assert _launch._STATS["hits"] == hits + 1000 * len(calls)
-    assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits"
-    assert [sys.getrefcount(t) for t in dtypes] == refs
+        refs = [sys.getrefcount(t) for t in dtypes]
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            rounds(1000)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert _launch._STATS["hits"] == hits + 1000 * len(calls)
+        assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits (context {ctx})"
+        assert [sys.getrefcount(t) for t in dtypes] == refs
     # arrays of ever new dtype objects: the C++ path's dtype codes are a bounded cache
     fast = cupy_ext[0]
     tracemalloc.start()
