@@ -10,7 +10,7 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 MODE=${MODE:-all}
 if [[ $MODE == *tests* || $MODE == all ]]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
+  timeout ${TEST_TIMEOUT:-450} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
     tests/test_fuzz.py tests/test_instantiations.py tests/test_docs.py tests/test_positions.py tests/test_torch_ext.py tests/test_launch_cache.py -k "gpu or not fuzz" \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
 fi

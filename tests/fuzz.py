@@ -24,6 +24,10 @@ With torch tensors, half of the seeds call the torch shim's function of the same
 (``cupy_rope.torch``: its own checks, its autograd kernels and, on CUDA, its C++ launch path)
 instead of the public API (:func:`via`; the case description shows ``via``).
 
+On the CUDA backends every call that ran runs a second time on fresh arrays of the same layout
+and values: a launch-cache hit (the C++ CuPy path, the torch shim's C++ path), under the same
+checks and, under compute-sanitizer, the same memory checking.
+
 Backends: ``numpy`` and ``torch-cpu`` (the NumPy backend through the public API), ``host`` (the
 real ``kernels_cu`` source built with g++, through the real launch plan; valid calls only),
 ``cupy`` and ``torch-cuda`` (the CUDA kernels). Replay one case::
@@ -1032,8 +1036,16 @@ def _jax_on_cpu() -> bool:
 
 def run_case(seed: int, backend: str, verbose: bool = False) -> str:
     """Draw and run one case; raises AssertionError on any violation. Returns a short outcome.
-    JAX cases run with 64-bit types on (``jax.enable_x64``), so that int64 index arrays stay
-    int64 (JAX's default would narrow them to int32)."""
+    On the CUDA backends a call that ran is run again on fresh arrays of the same layout and
+    values: the launch cache's hit (CuPy's C++ path, the torch shim's C++ path) under the same
+    checks. JAX cases run with 64-bit types on (``jax.enable_x64``), so that int64 index arrays
+    stay int64 (JAX's default would narrow them to int32)."""
+    if backend in ("cupy", "torch-cuda"):
+        outcome = _run_case(seed, backend, verbose)
+        if not outcome.startswith("error"):
+            again = _run_case(seed, backend, False)
+            assert again == outcome, f"seed {seed}: {outcome!r}, then {again!r} on fresh arrays"
+        return outcome
     if backend != "jax":
         return _run_case(seed, backend, verbose)
     import jax
