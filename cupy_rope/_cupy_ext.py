@@ -50,7 +50,8 @@ def build() -> Path:
         raise RuntimeError(f"cupy_rope: cannot build the CuPy launch path: {why}")
     flags = ["-std=c++17", "-O2", "-fPIC", "-shared", f"-I{SOURCE.parent}", f"-isystem{_python_include()}"]
     return _cxx.shared_library("cupy_launch", SOURCE.read_text(), [flags], files=HEADERS,
-                               announce="cupy_rope: building the CuPy launch path (once; CUPY_ROPE_CUPY_EXT=0 skips it)")
+                               announce="cupy_rope: building the CuPy launch path (once; "
+                                        "CUPY_ROPE_CUPY_EXT=0 skips it)")
 
 
 def functions(path) -> tuple:

@@ -339,7 +339,7 @@ def cache_key(kind, head: tuple, opts: tuple, arrays, written: int = 0):
 CUPY_EXT = False
 
 
-def _cupy_ext():
+def _load_cupy_ext():
     global CUPY_EXT
     if CUPY_EXT is False:
         from . import _cupy_ext
@@ -356,7 +356,7 @@ def lookup(kind, head: tuple, opts: tuple, arrays, written: int = 0):
     None: the call is not cached). :func:`cache_key` says what a key holds; CuPy calls are keyed
     and served by the C++ path where it loads (bytes keys)."""
     if kind == "cupy":
-        ext = CUPY_EXT if CUPY_EXT is not False else _cupy_ext()
+        ext = CUPY_EXT if CUPY_EXT is not False else _load_cupy_ext()
         if ext is not None:
             key = ext[0](_CACHE, head, opts, arrays, written)
             if type(key) is list:

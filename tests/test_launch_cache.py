@@ -679,14 +679,16 @@ def _fused_qk(dev, dt):
 
 
 HIT_CASES = {
-    "rope sbhd offsets": lambda dev, c: c.apply_rope(dev.array((5, 2, 3, 32), np.float16), dev.array((16, 1, 1, 32), np.float32),
-                                                     start_positions=dev.array((2,), np.int64)),
+    "rope sbhd offsets": lambda dev, c: c.apply_rope(
+        dev.array((5, 2, 3, 32), np.float16), dev.array((16, 1, 1, 32), np.float32),
+        start_positions=dev.array((2,), np.int64)),
     "rope bshd strided, backward": lambda dev, c: c.apply_rope_backward(
         _views(dev, (2, 5, 3, 32), np.float32, (1, 0, 2, 3)), dev.array((8, 16), np.float32), "bshd"),
-    "rope thd cp": lambda dev, c: c.apply_rope(dev.array((12, 2, 64), np.float16), dev.array((16, 1, 1, 32), np.float32),
-                                               "thd", cu_seqlens=dev.array((3,), np.int32), cp_size=2, cp_rank=1),
-    "rope transposed output": lambda dev, c: c.apply_rope(dev.array((5, 2, 3, 32), np.float32),
-                                                          dev.array((16, 32), np.float32), transpose_output_memory=True),
+    "rope thd cp": lambda dev, c: c.apply_rope(
+        dev.array((12, 2, 64), np.float16), dev.array((16, 1, 1, 32), np.float32), "thd",
+        cu_seqlens=dev.array((3,), np.int32), cp_size=2, cp_rank=1),
+    "rope transposed output": lambda dev, c: c.apply_rope(
+        dev.array((5, 2, 3, 32), np.float32), dev.array((16, 32), np.float32), transpose_output_memory=True),
     "rope in place": lambda dev, c: (lambda x: c.apply_rope(x, dev.array((16, 32), np.float32), "bshd", out=x,
                                                            interleaved=True))(dev.array((2, 5, 3, 32), np.float16)),
     "qk": lambda dev, c: c.apply_rope_qk(dev.array((5, 2, 4, 32), np.float16), dev.array((5, 2, 1, 32), np.float16),

@@ -54,6 +54,9 @@ struct Entry {
   std::vector<int64_t> blocks;               // word offset of each parameter block
   std::vector<std::vector<int64_t>> slots;   // per address (in launch order): its words
   std::vector<Out> outs;
+  Entry() = default;
+  Entry(const Entry&) = delete;  // owns references: one Entry, released once (its capsule's destructor)
+  Entry& operator=(const Entry&) = delete;
   ~Entry() {
     for (Out& o : outs) Py_XDECREF(o.alloc);
   }
@@ -242,6 +245,7 @@ Served run(const Entry& e, PyObject* arrays, std::vector<int64_t>& addr, PyObjec
   void* ctx = nullptr;
   if (cfg.ctx_get == nullptr || cfg.ctx_get(&ctx) != 0 || ctx != e.ctx) return LEFT;
   for (const Out& o : e.outs) {
+    if (o.like >= PyTuple_GET_SIZE(arrays)) return LEFT;  // (the key fixes the arrays' count)
     PyObject* dt = PyObject_GetAttr(PyTuple_GET_ITEM(arrays, o.like), s_dtype);
     if (dt == nullptr) return FAILED;
     PyObject* y = PyObject_CallFunctionObjArgs(alloc, o.alloc, dt, nullptr);
