@@ -571,7 +571,9 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
     with pytest.raises(TypeError, match="expected"):
         fast({}, ("rope",), (), [x()], 0)
     with pytest.raises(ValueError, match="written"):
-        fast({}, ("rope",), (), (x(),), 3)
+        fast({}, ("rope",), (), (x(), x(), x()), 3)
+    with pytest.raises(ValueError, match="written"):
+        fast({}, ("rope",), (), (x(),), 2)
 
 
 class FakeDriverError(RuntimeError):

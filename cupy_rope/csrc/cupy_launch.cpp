@@ -309,14 +309,14 @@ PyObject* fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_RuntimeError, "cupy_rope fast: not configured");
     return nullptr;
   }
-  const Py_ssize_t written = PyLong_AsSsize_t(args[4]);
-  if (written < 0 || written > 2) {
-    PyErr_Clear();
-    PyErr_SetString(PyExc_ValueError, "cupy_rope fast: written must be 0, 1 or 2");
-    return nullptr;
-  }
   PyObject* arrays = args[3];
   const Py_ssize_t n = PyTuple_GET_SIZE(arrays);
+  const Py_ssize_t written = PyLong_AsSsize_t(args[4]);
+  if (written < 0 || written > 2 || written > n) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "cupy_rope fast: written must be 0, 1 or 2, at most the arrays' count");
+    return nullptr;
+  }
   Key key;
   key.reserve(128);
   if (!push_value(args[1], key, 0) || !push_value(args[2], key, 0)) Py_RETURN_NONE;
