@@ -4,6 +4,7 @@ hands the prepared launch every address in the launch's name order, an output wh
 differs from the cached plan's is a miss."""
 
 import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -374,8 +375,9 @@ class FakeCupyDevice:
 
         self.callbacks = (self.CTX(ctx_get), self.PLAIN(plain), self.EX(self.driver.launch_ex))
         fast, entry_fn, configure_fn = functions
+        self.stream = types.SimpleNamespace(ptr=0xABC0)  # as cupy.cuda.get_current_stream's Stream
         _cupy_ext.configure(configure_fn, alloc=lambda shape, dtype: self.array(shape, dtype, self.misalign),
-                            stream=lambda dev: 0xABC0,
+                            stream=lambda dev: self.stream,
                             driver=[ctypes.cast(c, ctypes.c_void_p).value for c in self.callbacks])
         monkeypatch.setattr(_launch, "CUPY_EXT", (fast, functools.partial(_cupy_ext.entry, entry_fn)))
 
@@ -785,7 +787,7 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
         rounds(20)
         hits = _launch._STATS["hits"]
         gc.collect()
-        refs = [sys.getrefcount(t) for t in dtypes]
+        refs = [sys.getrefcount(t) for t in dtypes + [dev.stream]]
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
@@ -796,9 +798,15 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
             tracemalloc.stop()
         assert _launch._STATS["hits"] == hits + 1000 * len(calls)
         assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits (context {ctx})"
-        assert [sys.getrefcount(t) for t in dtypes] == refs
-    # arrays of ever new dtype objects: the C++ path's dtype codes are a bounded cache
+        assert [sys.getrefcount(t) for t in dtypes + [dev.stream]] == refs
+    # the C++ path keeps a reference to each dtype object it has keyed (its address stays its
+    # own); arrays of ever new dtype objects: those references are a bounded cache
     fast = cupy_ext[0]
+    probe = np.dtype(np.float32, metadata={"probe": 1})
+    before = sys.getrefcount(probe)
+    fast({}, ("rope",), (), (dev.array((4,), probe),), 0)
+    gc.collect()
+    assert sys.getrefcount(probe) == before + 1
     tracemalloc.start()
     try:
         for i in range(3000):
