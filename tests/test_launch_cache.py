@@ -570,8 +570,10 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
     # tuples carry their lengths
     assert key(opts=("sbhd", (4, 1), 1), arrays=(x(), f)) != key(opts=("sbhd", (4,), 1, 1), arrays=(x(), f))
     # the arguments
-    with pytest.raises(TypeError, match="expected"):
-        fast({}, ("rope",), (), [x()], 0)
+    for args in (({}, ("rope",), (), [x()], 0), ([], ("rope",), (), (x(),), 0), ({}, ("rope",), (), (x(),)),
+                 ({}, ("rope",), (), (x(),), 0.0)):
+        with pytest.raises(TypeError, match="expected"):
+            fast(*args)
     with pytest.raises(ValueError, match="written"):
         fast({}, ("rope",), (), (x(), x(), x()), 3)
     with pytest.raises(ValueError, match="written"):
