@@ -604,6 +604,22 @@ def test_cpp_path_leaves_other_alignments_to_the_python_path(monkeypatch, cupy_e
     assert cupy_rope.apply_rope(x, f).data.ptr % 16 == 2 and _launch._STATS["hits"] == stats["hits"] + 1
 
 
+def test_cpp_path_needs_a_stream_handle(monkeypatch, cupy_ext):
+    """A current stream without a handle (``.ptr``) is an error, not a launch on stream 0."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    f = dev.array((16, 1, 1, 32), np.float32)
+    x = dev.array((5, 2, 3, 32), np.float16)
+    cupy_rope.apply_rope(x, f)
+    n = len(dev.driver.blocks)
+    dev.stream = object()
+    with pytest.raises(RuntimeError, match="the current stream has no handle"):
+        cupy_rope.apply_rope(x, f)
+    assert len(dev.driver.blocks) == n
+
+
 @pytest.mark.parametrize("pdl", [False, True], ids=["cuLaunchKernel", "programmatic"])
 def test_failed_launches_raise_cupys_driver_error(monkeypatch, hit_path, pdl):
     """A launch the driver refuses raises CuPy's driver error with the CUresult, on a miss and on
