@@ -839,6 +839,44 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
     assert grown < 64 * 1024, f"{grown} bytes more after 2000 dtypes"
 
 
+def test_cpp_hits_from_several_threads(monkeypatch, cupy_ext):
+    """Hits of every entry point from four threads at once (the C++ path runs Python, the
+    allocator and the stream query, in the middle of a hit; another thread may then run, and
+    empty the cache): every call returns its outputs, none raises."""
+    import sys
+    import threading
+
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    monkeypatch.setattr(dev.driver, "record", lambda *args: None)
+    monkeypatch.setattr(_launch, "_CACHE_MAX", 5)  # emptied now and then while other threads hit
+    errors, done = [], []
+
+    def work():
+        try:
+            for _ in range(100):
+                for call in HIT_CASES.values():
+                    res = call(dev, cupy_rope)
+                    assert all(y is not None for y in (res if isinstance(res, tuple) else (res,))[:1])
+            done.append(1)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside hits, at the Python they call
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and len(done) == 4, errors[:3]
+
+
 def _fuzz_arrays(case, dev):
     """A fuzz case's arrays (:mod:`fuzz`) on fake CuPy memory: each NumPy buffer of the case one
     fresh fake allocation, each array the case's view over it (any strides, offsets)."""
