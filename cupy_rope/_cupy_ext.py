@@ -24,7 +24,7 @@ import functools
 import sysconfig
 from pathlib import Path
 
-from . import _cxx, _launch
+from . import _cxx, _interop, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "cupy_launch.cpp"
 HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "py_values.h")
@@ -92,8 +92,7 @@ def entry(entry_fn, prepared, outputs):
     (:class:`cupy_rope._launch.Prepared`) and its outputs as the launch cache keeps them
     ``(like, shape, transposed, same, align)``."""
     base = ctypes.addressof(prepared.buf)
-    outs = tuple((like, (shape[1], shape[0], *shape[2:]) if tr else tuple(shape), int(tr), align)
-                 for like, shape, tr, _same, align in outputs)
+    outs = tuple((like, _interop.alloc_shape(shape, tr), int(tr), align) for like, shape, tr, _same, align in outputs)
     return entry_fn(prepared.fptr, prepared.grid[0], prepared.grid[1], prepared.block, prepared.pdl,
                     bytes(prepared.buf), tuple((a - base) // 8 for a in prepared.argv),
                     tuple(tuple(s) for s in prepared.slots), outs, prepared.ctx or 0, prepared.device)

@@ -177,6 +177,12 @@ def write_into(out, kind: str, y: np.ndarray) -> None:
 
 
 # --------------------------------------------------------------------- GPU allocation, streams
+def alloc_shape(shape, transposed: bool = False) -> tuple:
+    """The shape an output is allocated with: ``shape``, or for ``transposed`` (an sbhd view over
+    bshd-ordered memory) its first two dimensions swapped."""
+    return (shape[1], shape[0], *shape[2:]) if transposed else tuple(shape)
+
+
 def empty_like(kind: str, like, shape: tuple, transposed: bool = False, same: bool = False):
     """(new array, its address): ``like``'s dtype and device, allocated by the caller's framework
     (torch's caching allocator, CuPy's pool, NumPy); contiguous, or for ``transposed`` an sbhd
@@ -188,11 +194,10 @@ def empty_like(kind: str, like, shape: tuple, transposed: bool = False, same: bo
         if same and not transposed:
             y = torch.empty_like(like, memory_format=torch.contiguous_format)
         else:
-            alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
-            y = torch.empty(alloc, dtype=like.dtype, device=like.device)
+            y = torch.empty(alloc_shape(shape, transposed), dtype=like.dtype, device=like.device)
         p = y.data_ptr() if y.device.type != "meta" else 0
         return (y.permute(1, 0, 2, 3) if transposed else y), p
-    alloc = tuple(shape) if not transposed else (shape[1], shape[0]) + tuple(shape[2:])
+    alloc = alloc_shape(shape, transposed)
     if kind == "numpy":
         y = np.empty(alloc, dtype=like.dtype)
         return (y.transpose(1, 0, 2, 3) if transposed else y), y.__array_interface__["data"][0]

@@ -165,9 +165,11 @@ bool dtype_code(PyObject* dt, int64_t& code) {
   return true;
 }
 
-// An array's address and byte range [lo, hi) (lo == hi: no elements).
+// An array's address, byte range [lo, hi) (lo == hi: no elements) and dtype (borrowed: the array,
+// which the call's arguments hold, keeps it).
 struct Span {
   int64_t ptr = 0, lo = 0, hi = 0;
+  PyObject* dtype = nullptr;
 };
 
 // A CuPy array described into the key: shape, strides, dtype, device, address % 16.
@@ -193,6 +195,7 @@ bool push_array(PyObject* a, Key& key, Span& span) {
     key.push_back(ptr & 15);
     const int64_t nd = static_cast<int64_t>(key[at + 1]), isz = (code >> 8) & 0xFFFFFF;
     span.ptr = ptr;
+    span.dtype = dt;
     int64_t lo = 0, hi = 0;
     bool empty = false;
     for (int64_t i = 0; i < nd; ++i) {
@@ -240,16 +243,15 @@ enum Served { HIT, LEFT, FAILED };  // launched / left to the Python path / an e
 
 // A hit: allocate the outputs (appended to `result`), patch, launch. The configured callables
 // are passed in (held by the caller: Python they run may reconfigure).
-Served run(const Entry& e, PyObject* arrays, std::vector<int64_t>& addr, PyObject* result, PyObject* alloc,
-           PyObject* stream_fn, PyObject* on_error) {
+Served run(const Entry& e, const std::vector<Span>& spans, std::vector<int64_t>& addr, PyObject* result,
+           PyObject* alloc, PyObject* stream_fn, PyObject* on_error) {
   void* ctx = nullptr;
   if (cfg.ctx_get == nullptr || cfg.ctx_get(&ctx) != 0 || ctx != e.ctx) return LEFT;
   for (const Out& o : e.outs) {
-    if (o.like >= PyTuple_GET_SIZE(arrays)) return LEFT;  // (the key fixes the arrays' count)
-    PyObject* dt = PyObject_GetAttr(PyTuple_GET_ITEM(arrays, o.like), s_dtype);
-    if (dt == nullptr) return FAILED;
-    PyObject* y = PyObject_CallFunctionObjArgs(alloc, o.alloc, dt, nullptr);
-    Py_DECREF(dt);
+    // (the key fixes the arrays' count and which of them are None)
+    if (o.like >= static_cast<Py_ssize_t>(spans.size()) || spans[static_cast<size_t>(o.like)].dtype == nullptr)
+      return LEFT;
+    PyObject* y = PyObject_CallFunctionObjArgs(alloc, o.alloc, spans[static_cast<size_t>(o.like)].dtype, nullptr);
     if (y == nullptr) return FAILED;
     int64_t p = 0;
     if (!address_of(y, p)) {
@@ -350,7 +352,7 @@ PyObject* fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_INCREF(on_error);
   const Served s = result == nullptr ? FAILED
                    : e.gx == 0       ? LEFT
-                                     : run(e, arrays, addr, result, alloc, stream_fn, on_error);
+                                     : run(e, spans, addr, result, alloc, stream_fn, on_error);
   Py_DECREF(alloc);
   Py_DECREF(stream_fn);
   Py_DECREF(on_error);

@@ -30,7 +30,7 @@ M = [
  ("int64_t stream = 0;\n  bool ok = PyLong_Check(s) ? py_int64(s, stream) : attr_i64(s, s_ptr, stream);", "int64_t stream = 0;\n  bool ok = true;"),
  ("e.gx, e.gy, e.block,", "e.gx, 1, e.block,"),
  ("for (size_t i = 0; i < e.blocks.size() && i < 4; ++i) argv[i] = params.data() + e.blocks[i];", "for (size_t i = 0; i < e.blocks.size() && i < 4; ++i) argv[i] = params.data();"),
- ("    PyObject* dt = PyObject_GetAttr(PyTuple_GET_ITEM(arrays, o.like), s_dtype);", "    PyObject* dt = PyObject_GetAttr(PyTuple_GET_ITEM(arrays, 0), s_dtype);"),
+ ("PyObject_CallFunctionObjArgs(alloc, o.alloc, spans[static_cast<size_t>(o.like)].dtype, nullptr);", "PyObject_CallFunctionObjArgs(alloc, o.alloc, spans[0].dtype, nullptr);"),
 ]
 res = []
 for i, (a, b) in enumerate(M):
