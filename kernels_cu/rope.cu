@@ -158,10 +158,12 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
   // cache loads wait for it), after the rows' vectors by the others. Measured both ways on the
   // H200 (benchmarks/NOTES.md): the cache decode row 1.42-1.46 µs first against 1.52-1.56 after;
   // the angle table's decode and the two-row cache kernel's prefill were slower with it first.
+  // Loaded first, it is widened only after the vector loads are issued: an int32 position's sign
+  // extension right after its load held them back (int32 decode row 1.52-1.56 µs, 1.43-1.48 now).
   constexpr bool kPositionFirst = CACHE && R == 1;
   i64 pos = 0;
   bool valid = false;
-  auto position = [&] { valid = live && rot && token_position(p.pos, outer, inner, pos); };
+  auto position = [&] { valid = live && rot && token_position<kPositionFirst>(p.pos, outer, inner, pos); };
   if constexpr (kPositionFirst) {
     CUPY_ROPE_COUNT_POSITION_FIRST();
     position();
@@ -173,7 +175,11 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
       if (pair) b[j] = load_vec<T, V>(x + j * xstep + dr * p.xsd);
     });
   }
-  if constexpr (!kPositionFirst) position();
+  if constexpr (kPositionFirst) {
+    pos = widen_position(p.pos, pos);  // after the vector loads: they do not wait for the position
+  } else {
+    position();
+  }
   const bool rotated = in_table(valid, pos, p.f_rows);
   const float* trow = reinterpret_cast<const float*>(p.freqs) + pos * p.f_srow;
   const int m = (int)(c % V);  // this thread's pair of its unit in the exchange

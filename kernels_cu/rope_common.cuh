@@ -170,6 +170,14 @@ __device__ __forceinline__ i64 load_index(i64 addr, i64 is64, i64 stride, i64 i)
               : (i64)reinterpret_cast<const int*>(addr)[i * stride];
 }
 
+// load_index without widening: an int32 entry zero-extended, so that no instruction reads the
+// loaded value before the caller widens it (widen_position). A kernel that loads a position first
+// and its row's vectors after it thus issues the vector loads without waiting for the position.
+__device__ __forceinline__ i64 load_index_raw(i64 addr, i64 is64, i64 stride, i64 i) {
+  return is64 ? reinterpret_cast<const long long*>(addr)[i * stride]
+              : (i64)(unsigned)reinterpret_cast<const int*>(addr)[i * stride];
+}
+
 // Python's floor division (cu_seqlens // cp_size), also for (invalid) negative values.
 __device__ __forceinline__ i64 floor_div(i64 a, i64 b) {
   if (b == 1) return a;
@@ -208,9 +216,12 @@ __device__ __forceinline__ i64 cp_position(i64 j, i64 L, i64 cp_size, i64 cp_ran
 // belongs to no sequence (thd rows past the last sequence, or invalid cu_seqlens).
 // sbhd: outer = s index, inner = b index; bshd: outer = b, inner = s; thd: outer = t.
 // With per-token positions (the positions API) the token's entry is its position, any value.
+// RAW: a per-token position is left as load_index_raw loads it (widen_position widens it).
+template <bool RAW = false>
 __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 inner, i64& pos) {
   if (a.positions) {
-    pos = load_index(a.positions, a.ps_is64, 1, outer * a.ps0 + inner * a.ps1);
+    const i64 i = outer * a.ps0 + inner * a.ps1;
+    pos = RAW ? load_index_raw(a.positions, a.ps_is64, 1, i) : load_index(a.positions, a.ps_is64, 1, i);
     return true;
   }
   i64 seq, j, L;
@@ -242,6 +253,11 @@ __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 
   if (a.start_positions)
     pos = (i64)((unsigned long long)pos + (unsigned long long)load_index(a.start_positions, a.sp_is64, a.sp_stride, seq));
   return true;
+}
+
+// The position token_position<true> gave, widened: a per-token int32 entry sign-extended.
+__device__ __forceinline__ i64 widen_position(const PosArgs& a, i64 pos) {
+  return a.positions && !a.ps_is64 ? (i64)(int)pos : pos;
 }
 
 // Rows of the angle table that a position may read (spec 5.4: others are copied through).
