@@ -390,6 +390,9 @@ def percall_rows(profile=None):
     cs_cache = cupy_rope.rope_cos_sin_cache(d, MAX_POS, like=x)
     add("torch: cupy_rope.vllm.rotary_embedding (serving, in place, 32q+8kv)",
         _wall_us(lambda: crv.rotary_embedding(pos_t, qs, ks, d, cs_cache, True), tsync))
+    add("torch: cupy_rope.apply_rope_pos (plain API, in place, 32q+8kv)",
+        _wall_us(lambda: cupy_rope.apply_rope_pos(pos_t, qs, ks, cos_sin_cache=cs_cache, head_size=d, inplace=True),
+                 tsync))
     xg = x.clone().requires_grad_(True)
     gy = torch.randn_like(x)
     add("torch: apply_rope forward+backward (autograd)",

@@ -298,45 +298,6 @@ _EXT = _torch_ext.load()
 _FAST, _FAST_INDEX = _torch_ext.FAST, _torch_ext.FAST_INDEX
 
 
-def _schema_types(op) -> tuple:
-    """The Python types each argument of ``op``'s schema takes (None: a tensor, or None where the
-    schema says ``Tensor?``)."""
-    kinds = {"Tensor": (torch.Tensor,), "Optional[Tensor]": (torch.Tensor, type(None)), "str": (str,),
-             "bool": (bool,), "int": (int,)}
-    return tuple(kinds[str(a.type)] for a in op._schema.arguments)
-
-
-def _types_match(op, args) -> bool:
-    """Whether ``args`` have exactly the types of ``op``'s schema (ints within int64); anything
-    else (an array of another framework, a numpy bool) stays on the public API's path and errors."""
-    types = _ROUTE_TYPES[op]
-    return len(args) == len(types) and all(
-        type(a) in t and (type(a) is not int or -2**63 <= a < 2**63) for a, t in zip(args, types))
-
-
-_ROUTE_TYPES = {op: _schema_types(op) for op in (_ROPE_IMPL, _ROPE_QK_IMPL)}
-
-
-def _public_route(name, lead, *args):
-    """The public API's calls on plain CUDA tensors (``cupy_rope._launch.NATIVE``) through the C++
-    path: a hit of its cache (whose key holds the argument types of the call the op validated),
-    else the autograd-free op, whose miss validates, launches and prepares the C++ launch. None
-    (the public API's own path) while this thread resolves a miss, and on a miss for arguments of
-    other types than the op's or tensors that require grad (the public API returns tensors
-    without autograd history)."""
-    if _torch_ext.resolving_now() or not _plain_cuda(lead):
-        return None
-    op = _ROPE_IMPL if name == "rope" else _ROPE_QK_IMPL
-    res = _fast(op, *args)
-    if res is not None:
-        return res
-    if not _types_match(op, args) or _needs_grad(*(args[:1] if name == "rope" else args[:2])):
-        return None
-    return op(*args)
-
-
-if _EXT:
-    _launch.NATIVE = _public_route
 for _name, _kernel in _PY_KERNELS.items():
     _LIB.impl(_name, _kernel, "CPU")
     if not _EXT:
@@ -412,6 +373,61 @@ _LIB.define(f"_ag_rope_pos(Tensor positions, Tensor q, Tensor? k, Tensor table, 
 _LIB.impl("rope_pos", _rope_pos_autograd, "Autograd")
 _LIB.impl("_ag_rope_pos", _rope_pos_autograd, "Autograd")
 _LIB.impl("rope_pos_", _rope_pos_inplace_autograd, "Autograd")
+
+
+def _schema_types(op) -> tuple:
+    """The Python types each argument of ``op``'s schema takes (None: a tensor, or None where the
+    schema says ``Tensor?``)."""
+    kinds = {"Tensor": (torch.Tensor,), "Optional[Tensor]": (torch.Tensor, type(None)), "str": (str,),
+             "bool": (bool,), "int": (int,)}
+    return tuple(kinds[str(a.type)] for a in op._schema.arguments)
+
+
+def _types_match(op, args) -> bool:
+    """Whether ``args`` have exactly the types of ``op``'s schema (ints within int64); anything
+    else (an array of another framework, a numpy bool) stays on the public API's path and errors."""
+    types = _ROUTE_TYPES[op]
+    return len(args) == len(types) and all(
+        type(a) in t and (type(a) is not int or -2**63 <= a < 2**63) for a, t in zip(args, types))
+
+
+# The public API's calls the C++ path serves: name -> (op, where the op's arguments hold the
+# tensors it rotates). The in-place ops (names ending in "_") write into those tensors.
+_ROUTES = {"rope": (_ROPE_IMPL, slice(0, 1)), "rope_qk": (_ROPE_QK_IMPL, slice(0, 2)),
+           "rope_qk_": (_ROPE_QK_, slice(0, 2)), "rope_pos": (_ROPE_POS_IMPL, slice(1, 3)),
+           "rope_pos_": (_ROPE_POS_, slice(1, 3))}
+_ROUTE_TYPES = {op: _schema_types(op) for op, _ in _ROUTES.values()}
+
+
+def _public_route(name, lead, *args):
+    """The public API's calls on plain CUDA tensors (``cupy_rope._launch.NATIVE``) through the C++
+    path: a hit of its cache (whose key holds the argument types of the call the op validated),
+    else the op (the autograd-free op; an in-place op through its autograd kernel, which bumps the
+    version counters, as a hit does here), whose miss validates, launches and prepares the C++
+    launch. Returns the outputs (True for an in-place call), or None (the public API's own path)
+    while this thread resolves a miss, for in-place calls on tensors that require grad or carry
+    a forward-mode tangent (the public API writes them without autograd), and on a miss for
+    arguments of other types than the op's or tensors that require grad (the public API returns
+    tensors without autograd history)."""
+    if _torch_ext.resolving_now() or not _plain_cuda(lead):
+        return None
+    op, rotated = _ROUTES[name]
+    inplace = name.endswith("_")
+    if inplace and _differentiated(*args[rotated]):
+        return None
+    res = _fast(op, *args)
+    if res is not None:
+        if inplace:
+            torch.autograd.graph.increment_version(tuple(t for t in args[rotated] if t is not None))
+        return res
+    if not _types_match(op, args) or _needs_grad(*args[rotated]):
+        return None
+    res = op(*args)
+    return True if inplace else res
+
+
+if _EXT:
+    _launch.NATIVE = _public_route
 
 
 @torch.library.custom_op("cupy_rope::qkv_rope", mutates_args=())

@@ -386,9 +386,21 @@ def test_gpu_fast_entry_and_the_public_api_route(dtype, monkeypatch):
             iq, ik = qt.clone(), kt.clone()
             crt.apply_rope_pos(pos, iq, ik, cos_sin_cache=cs, head_size=128, inplace=True)
             assert torch.equal(iq, want_pos[0]) and torch.equal(ik, want_pos[1])
+            # the public API: in-place q and k, the positions API (also in place)
+            iq, ik = qkv.clone()[:, :, 0], qkv.clone()[:, :, 1]
+            v0 = (iq._version, ik._version)
+            assert cupy_rope.apply_rope_qk(iq, ik, f, "bshd", start_positions=sp, inplace=True) == (iq, ik)
+            assert torch.equal(iq, want_qk[0]) and torch.equal(ik, want_qk[1])
+            assert iq._version > v0[0] and ik._version > v0[1]
+            pq, pk = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=128)
+            assert torch.equal(pq, want_pos[0]) and torch.equal(pk, want_pos[1])
+            with torch.inference_mode():  # inference tensors (no version counter) in place
+                iq, ik = qt.clone(), kt.clone()
+            assert cupy_rope.apply_rope_pos(pos, iq, ik, cos_sin_cache=cs, head_size=128, inplace=True) == (iq, ik)
+            assert torch.equal(iq, want_pos[0]) and torch.equal(ik, want_pos[1])
             if rep:
-                assert _hits() == before + 7
-                assert cupy_rope._api.cache_info()["native_hits"] == before_native + 7
+                assert _hits() == before + 10
+                assert cupy_rope._api.cache_info()["native_hits"] == before_native + 10
     # a signature not cached yet: not served by the fast entry (the op then validates and caches it)
     x = torch.randn(3, 1, 2, 128, device="cuda", dtype=dt)
     i = ext.FAST_INDEX["_rope_impl"]
@@ -449,3 +461,89 @@ def test_public_route_logic_on_the_cpu(monkeypatch):
     n = len(calls)
     assert crt._public_route("rope", x, x, f, "bshd", False, None, None, 1, 0, False, False) is None
     assert len(calls) == n
+
+
+def test_public_route_in_place_and_positions_logic_on_the_cpu(monkeypatch):
+    """The public API's in-place q+k calls and its positions API on torch tensors take the same
+    route (``_public_route``): a hit is returned as is and an in-place hit bumps the version
+    counters; a miss runs the op (an in-place op through its autograd kernel, which bumps them
+    too); in-place calls on tensors that require grad stay on the public API's path (which writes
+    them without autograd, as before); head_size 0, tables of other types and calls with two
+    tables are not routed. CPU tensors stand in for CUDA ones (the ops' CPU kernels run)."""
+    import cupy_rope.torch as crt
+    from cupy_rope import _launch
+
+    hit = object()
+    served, routed, inside = set(), [], []
+
+    def fake_fast(index, *args):
+        return (True if index in (1, 3) else hit) if index in served else None
+
+    def route(name, lead, *args):  # re-entered from the op's miss: what resolving_now() says on the GPU
+        if inside:
+            return None
+        routed.append(name)
+        inside.append(name)
+        try:
+            return crt._public_route(name, lead, *args)
+        finally:
+            inside.pop()
+
+    kind = _launch.cache_kind
+    monkeypatch.setattr(crt, "_FAST", fake_fast)
+    monkeypatch.setattr(crt, "_FAST_INDEX", {"_rope_impl": 5, "_rope_qk_impl": 0, "rope_qk_": 1,
+                                             "_rope_pos_impl": 2, "rope_pos_": 3})
+    monkeypatch.setattr(crt, "_plain_cuda", lambda t: True)
+    monkeypatch.setattr(_launch, "cache_kind", lambda a: "torch" if isinstance(a, torch.Tensor) else kind(a))
+    monkeypatch.setattr(_launch, "NATIVE", route)
+    rng = np.random.default_rng(5)
+    f = torch.from_numpy(cupy_rope.rope_freqs(64, 16))
+    cs = torch.from_numpy(cupy_rope.rope_cos_sin_cache(64, 16))
+    sp = torch.from_numpy(rng.integers(0, 8, 2))
+    pos = torch.from_numpy(rng.integers(0, 16, 5))
+    qkv = torch.from_numpy(rng.standard_normal((8, 2, 3, 4, 64)).astype(np.float32))
+    qt = torch.from_numpy(rng.standard_normal((5, 4 * 64)).astype(np.float32))
+    kt = torch.from_numpy(rng.standard_normal((5, 2, 64)).astype(np.float32))
+    with monkeypatch.context() as m:
+        m.setattr(_launch, "NATIVE", None)
+        want_qk = cupy_rope.apply_rope_qk(qkv[:, :, 0], qkv[:, :, 1], f, start_positions=sp)
+        want_pos = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=64)
+        want_q = cupy_rope.apply_rope_pos(pos, qt, None, cos_sin_cache=cs, head_size=64)[0]
+    # misses: the ops run (their CPU kernels); in place, the versions bumped
+    q, k = qkv.clone()[:, :, 0], qkv.clone()[:, :, 1]
+    v0 = (q._version, k._version)
+    assert cupy_rope.apply_rope_qk(q, k, f, start_positions=sp, inplace=True) == (q, k)
+    assert torch.equal(q, want_qk[0]) and torch.equal(k, want_qk[1])
+    assert q._version > v0[0] and k._version > v0[1]
+    gq, gk = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=64)
+    assert torch.equal(gq, want_pos[0]) and torch.equal(gk, want_pos[1])
+    gq, gk = cupy_rope.apply_rope_pos(pos, qt, None, cos_sin_cache=cs, head_size=64)
+    assert torch.equal(gq, want_q) and gk is None
+    pq, pk = qt.clone(), kt.clone()
+    v0 = (pq._version, pk._version)
+    assert cupy_rope.apply_rope_pos(pos, pq, pk, cos_sin_cache=cs, head_size=64, inplace=True) == (pq, pk)
+    assert torch.equal(pq, want_pos[0]) and torch.equal(pk, want_pos[1])
+    assert pq._version > v0[0] and pk._version > v0[1]
+    assert routed == ["rope_qk_", "rope_pos", "rope_pos", "rope_pos_"]
+    # hits: returned as is (the fake hits write nothing); in place, the versions bumped
+    served.update({0, 1, 2, 3})
+    pq, pk = qt.clone(), kt.clone()
+    v0 = (pq._version, pk._version)
+    assert cupy_rope.apply_rope_pos(pos, pq, pk, cos_sin_cache=cs, head_size=64, inplace=True) == (pq, pk)
+    assert torch.equal(pq, qt) and pq._version > v0[0] and pk._version > v0[1]
+    assert crt._public_route("rope_pos", qt, pos, qt, kt, cs, "cos_sin_cache", 64, False, 0, False) is hit
+    v0 = q._version
+    assert cupy_rope.apply_rope_qk(q, k, f, start_positions=sp, inplace=True) == (q, k)
+    assert torch.equal(q, want_qk[0]) and q._version > v0
+    rq = qt.clone().requires_grad_(True)  # in place with grad: handed back even where it would hit
+    assert crt._public_route("rope_pos_", rq, pos, rq, None, cs, "cos_sin_cache", 64, False, 0, False) is None
+    # not routed, or routed and handed back: the public API's own path, its results and errors
+    served.clear()
+    del routed[:]
+    with pytest.raises(ValueError, match="`head_size`"):
+        cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, head_size=0)
+    gq, gk = cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs.numpy(), head_size=64)  # a NumPy table
+    assert torch.equal(gq, want_pos[0]) and torch.equal(gk, want_pos[1])
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        cupy_rope.apply_rope_pos(pos, qt, kt, cos_sin_cache=cs, freqs=f, head_size=64)
+    assert routed == ["rope_pos"]
