@@ -170,12 +170,13 @@ __device__ __forceinline__ i64 load_index(i64 addr, i64 is64, i64 stride, i64 i)
               : (i64)reinterpret_cast<const int*>(addr)[i * stride];
 }
 
-// load_index without widening: an int32 entry zero-extended, so that no instruction reads the
-// loaded value before the caller widens it (widen_position). A kernel that loads a position first
-// and its row's vectors after it thus issues the vector loads without waiting for the position.
-__device__ __forceinline__ i64 load_index_raw(i64 addr, i64 is64, i64 stride, i64 i) {
-  return is64 ? reinterpret_cast<const long long*>(addr)[i * stride]
-              : (i64)(unsigned)reinterpret_cast<const int*>(addr)[i * stride];
+// Entry i of a contiguous index array without widening (load_index's entry for stride 1): an
+// int32 entry zero-extended, so that no instruction reads the loaded value before the caller
+// widens it (widen_position). A kernel that loads a position first and its row's vectors after
+// it thus issues the vector loads without waiting for the position.
+__device__ __forceinline__ i64 load_index_raw(i64 addr, i64 is64, i64 i) {
+  return is64 ? reinterpret_cast<const long long*>(addr)[i]
+              : (i64)(unsigned)reinterpret_cast<const int*>(addr)[i];
 }
 
 // Python's floor division (cu_seqlens // cp_size), also for (invalid) negative values.
@@ -221,7 +222,7 @@ template <bool RAW = false>
 __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 inner, i64& pos) {
   if (a.positions) {
     const i64 i = outer * a.ps0 + inner * a.ps1;
-    pos = RAW ? load_index_raw(a.positions, a.ps_is64, 1, i) : load_index(a.positions, a.ps_is64, 1, i);
+    pos = RAW ? load_index_raw(a.positions, a.ps_is64, i) : load_index(a.positions, a.ps_is64, 1, i);
     return true;
   }
   i64 seq, j, L;
