@@ -190,6 +190,35 @@ def test_host_kernels(case, kernel, monkeypatch):
         assert vectors > 0
 
 
+@pytest.mark.parametrize("pos_dtype", [np.int32, np.int64])
+def test_host_one_row_cache_kernel_negative_positions_past_2_31_rows(pos_dtype, monkeypatch):
+    """The one-row cache kernel loads an int32 position raw (zero-extended) and widens it after
+    the row's vectors: a negative position must still be outside the table, also one with more
+    than 2^32 rows (a row-stride-0 view: one row of memory), where the raw value of -1 would be a
+    row inside it. Host build against the NumPy backend; negative positions leave the token as it
+    is, the others read the one row."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", True)
+    rng = np.random.default_rng(11)
+    d = 64
+    row = cupy_rope.rope_cos_sin_cache(d, 8)[5:6]
+    table = np.lib.stride_tricks.as_strided(row, (2**32 + 8, d), (0, row.strides[1]))
+    pos = np.array([-1, 3, -5, 2**31 - 1, -(2**31), 2], pos_dtype)
+    q = rng.standard_normal((6, 2, d)).astype(np.float32)
+    infos = {n: None for n in _plan.TABLE_ARGS}
+    infos["cos_sin_cache"] = _interop.info(table, "numpy")
+    plans, _, _ = _plan.resolve_rope_pos(_interop.info(pos, "numpy"), _interop.info(q, "numpy"), None, infos,
+                                         None, False, 0, False, False)
+    names, orig = [], hostkernels.launch
+    monkeypatch.setattr(hostkernels, "launch", lambda name, *a: names.append(name) or orig(name, *a))
+    got = hostkernels.run_rope_pos(plans, [q], table, pos, (np.full(q.shape, np.nan, q.dtype),))[0]
+    assert names and all(n.startswith("rope1c_") for n in names), names
+    neg = pos < 0
+    _same_bits(got[neg], q[neg])
+    assert (got[~neg] != q[~neg]).any()
+    _same_bits(got, cupy_rope.apply_rope_pos(pos, q, None, cos_sin_cache=table)[0])
+
+
 def _run_host(case, pos, q, k, tables, hs):
     """The call's launch on the host build (q and k as ``[tokens.., h, d]`` views), outputs
     poisoned with NaN first (every element must be written)."""

@@ -456,6 +456,9 @@ def test_public_route_logic_on_the_cpu(monkeypatch):
     assert calls == [0, 0, 1]
     assert crt._public_route("rope", x, x, f, "sbhd", np.bool_(False), None, None, 1, 0, False, False) is None
     assert crt._public_route("rope", x, x, f, "sbhd", False, None, None, 2**64, 0, False, False) is None
+    assert crt._public_route("rope", x, x, f, "sbhd", False, None, None, 2**63, 0, False, False) is None
+    with pytest.raises(ValueError, match="`cp_rank`"):  # within int64: the op ran and refused it
+        crt._public_route("rope", x, x, f, "sbhd", False, None, None, 1, -2**63, False, False)
     assert crt._public_route("rope", x, x.requires_grad_(True), *args) is None
     monkeypatch.setattr(_torch_ext._state, "on", True, raising=False)
     n = len(calls)
