@@ -441,3 +441,32 @@ def test_host_build_raises_on_misaligned_vectors(misaligned, kernel, monkeypatch
     with pytest.raises(RuntimeError, match="misaligned"):
         _hostkernels.run_rope(plan, x, freqs, out=out())
     assert [n.split("_")[0] for n in names] == ["rope1" if kernel == "one_row" else "rope"] * 2, names
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+@pytest.mark.parametrize("one_row", [False, True], ids=["streaming", "one_row"])
+def test_host_kernels_invalid_negative_cu_seqlens(cp_size, one_row, monkeypatch):
+    """Invalid cu_seqlens (negative entries, past the rows: the GPU path checks contents only in
+    debug mode) are divided by cp_size as Python's floor division does (spec 5.1;
+    ``_positions.py``), also where the division leaves a remainder: the host build's positions
+    are the NumPy backend's (which computes them with the Python definition), rows in no sequence
+    copied. (Sorted entries: for unsorted ones the device's binary search and NumPy's
+    searchsorted may pick different sequences.)"""
+    from cupy_rope import _numpy_backend
+
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 10**9 if one_row else 1)
+    monkeypatch.setattr(_worksplit, "_ONE_ROW", one_row)
+    rng = np.random.default_rng(23)
+    d, t = 32, 8
+    x = rng.standard_normal((t, 2, d)).astype(np.float32)
+    freqs = cupy_rope.rope_freqs(d, 64)
+    for cu in ([-7, -3, 5, 9, 16], [-11, -5, -1, 7, 13], [-13, -8, -5, 17]):
+        cu = np.array(cu, np.int64)
+        kw = dict(layout="thd", interleaved=False, cu_seqlens=cu, cp_size=cp_size, cp_rank=cp_size - 1)
+        plan = _plan_for(x, freqs, kw, False)
+        got = _hostkernels.run_rope(plan, x, freqs, cu, None, out=np.full(x.shape, np.nan, np.float32))
+        want = _numpy_backend.rope(np, plan, x, freqs, cu, None)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+        same = (want == x).all(axis=(1, 2))
+        np.testing.assert_array_equal(got[same], x[same])
+        assert (~same).any(), cu  # some rows rotated
