@@ -205,17 +205,16 @@ def _rope_qk(q, k, freqs, layout, interleaved, cu_seqlens, start_positions, cp_s
         fn = _jax_ops().apply_rope_qk_backward if backward else _jax_ops().apply_rope_qk
         return fn(q, k, freqs, layout, interleaved=interleaved, cu_seqlens=cu_seqlens,
                   start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank)
-    if kind == "torch" and (inplace is True or inplace is False) and _launch.NATIVE is not None and not _DEBUG[0]:
+    # cached only with inplace a bool itself (the key's overlap signature depends on it)
+    cached, res = kind is not None and not _DEBUG[0] and (inplace is True or inplace is False), None
+    if cached and kind == "torch" and _launch.NATIVE is not None:
         res = _launch.NATIVE("rope_qk_" if inplace else "rope_qk", q, q, k, freqs, layout, interleaved, cu_seqlens,
                              start_positions, cp_size, cp_rank, backward)
-        if res is not None:
-            return (q, k) if inplace else res
-    # cached only with inplace a bool itself (the key's overlap signature depends on it)
-    if kind is not None and not _DEBUG[0] and (inplace is True or inplace is False):
+    if cached and res is None:
         key, res = _launch.lookup(kind, ("qk", backward), (layout, interleaved, cp_size, cp_rank, inplace),
-                                  (q, k, freqs, cu_seqlens, start_positions), written=2 if inplace is True else 0)
-        if res is not None:
-            return (q, k) if inplace is True else tuple(res)
+                                  (q, k, freqs, cu_seqlens, start_positions), written=2 if inplace else 0)
+    if res is not None:
+        return (q, k) if inplace else tuple(res)
     nq, nk = names
     args = _Args(**{nq: q, nk: k}, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     inf = args.infos
@@ -264,19 +263,18 @@ def _rope_pos(positions, q, k, tables: dict, head_size, interleaved, rope_dim_of
                                          inverse=inverse)
     cached = kind is not None and not _DEBUG[0] and (inplace is True or inplace is False)  # as in _rope_qk
     given = [n for n, t in tables.items() if t is not None] if cached else ()
+    res = None
     # the torch ops' head_size 0 stands for None (a 0 given here is refused below)
     if (kind == "torch" and len(given) == 1 and _launch.NATIVE is not None
             and (head_size is None or (type(head_size) is int and head_size > 0))):
         res = _launch.NATIVE("rope_pos_" if inplace else "rope_pos", q, positions, q, k, tables[given[0]], given[0],
                              head_size or 0, interleaved, rope_dim_offset, inverse)
-        if res is not None:
-            return (q, k) if inplace else (res[0], res[1] if k is not None else None)
-    if len(given) == 1:  # cached per table kind; the one table given is the launch's "freqs"
+    if res is None and len(given) == 1:  # cached per table kind; the one table given is the launch's "freqs"
         key, res = _launch.lookup(kind, ("pos", k is None, given[0]),
                                   (head_size, interleaved, rope_dim_offset, inverse, inplace),
-                                  (q, k, tables[given[0]], positions), written=2 if inplace is True else 0)
-        if res is not None:
-            return (q, k) if inplace is True else (res[0], res[1] if k is not None else None)
+                                  (q, k, tables[given[0]], positions), written=2 if inplace else 0)
+    if res is not None:
+        return (q, k) if inplace else (res[0], res[1] if k is not None else None)
     args = _Args(optional=("k",) + _plan.TABLE_ARGS, positions=positions, q=q, k=k, **tables)
     inf = args.infos
     tab = {n: inf[n] for n in _plan.TABLE_ARGS}
