@@ -27,7 +27,7 @@ from pathlib import Path
 from . import _cxx, _interop, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "cupy_launch.cpp"
-HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "py_values.h")
+HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "overlap.h", SOURCE.parent / "py_values.h")
 
 
 def _python_include() -> Path:

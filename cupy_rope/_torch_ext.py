@@ -25,7 +25,7 @@ import torch
 from . import _cxx, _launch
 
 SOURCE = Path(__file__).parent / "csrc" / "torch_launch.cpp"
-HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "py_values.h")
+HEADERS = (SOURCE.parent / "cuda_launch.h", SOURCE.parent / "overlap.h", SOURCE.parent / "py_values.h")
 _state = threading.local()  # .on: this thread resolves a miss of the C++ path
 _LOADED: list = []
 

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cuda_launch.h"
+#include "overlap.h"
 #include "py_values.h"
 
 namespace {
@@ -168,7 +169,8 @@ bool dtype_code(PyObject* dt, int64_t& code) {
 // An array's address, byte range [lo, hi) (lo == hi: no elements) and dtype (borrowed: the array,
 // which the call's arguments hold, keeps it).
 struct Span {
-  int64_t ptr = 0, lo = 0, hi = 0;
+  int64_t ptr = 0;
+  cupy_rope::ByteRange bytes;
   PyObject* dtype = nullptr;
 };
 
@@ -196,37 +198,14 @@ bool push_array(PyObject* a, Key& key, Span& span) {
     const int64_t nd = static_cast<int64_t>(key[at + 1]), isz = (code >> 8) & 0xFFFFFF;
     span.ptr = ptr;
     span.dtype = dt;
-    int64_t lo = 0, hi = 0;
-    bool empty = false;
-    for (int64_t i = 0; i < nd; ++i) {
-      const int64_t n = key[at + 2 + i], s = key[at + 2 + nd + i];
-      empty = empty || n == 0;
-      (s > 0 ? hi : lo) += (n - 1) * s;
-    }
-    span.lo = empty ? ptr : ptr + lo;
-    span.hi = empty ? ptr : ptr + hi + isz;
+    span.bytes = cupy_rope::byte_range(ptr, nd, isz, [&](int64_t d) { return key[at + 2 + d]; },
+                                       [&](int64_t d) { return key[at + 2 + nd + d]; });
   }
   Py_XDECREF(shape);
   Py_XDECREF(strides);
   Py_XDECREF(dt);
   Py_XDECREF(data);
   return ok;
-}
-
-bool meet(const Span& a, const Span& b) {
-  return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
-}
-
-// _launch.overlap_signature: whether a written array (the first `written`) spans bytes of a
-// read-only one, and, when the spans of the first two written arrays meet, their relative address.
-void push_overlaps(Key& key, const std::vector<Span>& spans, size_t written) {
-  bool ro = false;
-  for (size_t w = 0; w < written && w < spans.size(); ++w)
-    for (size_t r = written; r < spans.size(); ++r) ro = ro || meet(spans[w], spans[r]);
-  key.push_back(ro);
-  const bool both = written == 2 && spans.size() >= 2 && meet(spans[0], spans[1]);
-  key.push_back(both);
-  key.push_back(both ? spans[1].lo - spans[0].lo : 0);
 }
 
 // An address attribute: data.ptr of a CuPy array.
@@ -331,7 +310,8 @@ PyObject* fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       Py_RETURN_NONE;
     }
   }
-  if (written > 0) push_overlaps(key, spans, static_cast<size_t>(written));
+  if (written > 0)
+    cupy_rope::push_overlaps(key, spans, static_cast<size_t>(written), [](const Span& s) { return s.bytes; });
   PyObject* kb = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(key.data()),
                                            static_cast<Py_ssize_t>(key.size() * sizeof(int64_t)));
   if (kb == nullptr) return nullptr;

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "cuda_launch.h"
+#include "overlap.h"
 
 #include <atomic>
 #include <cstdint>
@@ -171,36 +172,12 @@ void run_python(Family f, const Key* key, torch::jit::Stack* stack) {
   pending = prev;
 }
 
-// Byte range [lo, hi) of t's elements (lo == hi: none).
-std::pair<intptr_t, intptr_t> extent(const at::Tensor* t) {
-  if (t == nullptr || t->numel() == 0) return {0, 0};
-  const intptr_t isz = static_cast<intptr_t>(t->element_size());
-  intptr_t lo = 0, hi = 0;
-  for (int64_t i = 0; i < t->dim(); ++i) {
-    const intptr_t span = (t->size(i) - 1) * t->stride(i) * isz;
-    (span > 0 ? hi : lo) += span;
-  }
-  const intptr_t p = reinterpret_cast<intptr_t>(t->data_ptr());
-  return {p + lo, p + hi + isz};
-}
-
-bool overlap(const std::pair<intptr_t, intptr_t>& a, const std::pair<intptr_t, intptr_t>& b) {
-  return a.first < a.second && b.first < b.second && a.first < b.second && b.first < a.second;
-}
-
-// What an in-place call's validation depends on beyond the descriptors (_launch.overlap_signature):
-// whether a written array (the first `written`) spans bytes of a read-only one, and, when the
-// spans of the two written arrays meet, their relative address.
-void push_overlaps(Key& key, const std::vector<const at::Tensor*>& arrays, size_t written) {
-  std::vector<std::pair<intptr_t, intptr_t>> ext;
-  for (const at::Tensor* a : arrays) ext.push_back(extent(a));
-  bool ro = false;
-  for (size_t w = 0; w < written; ++w)
-    for (size_t r = written; r < ext.size(); ++r) ro = ro || overlap(ext[w], ext[r]);
-  key.push_back(ro);
-  const bool meet = overlap(ext[0], ext[1]);
-  key.push_back(meet);
-  key.push_back(meet ? ext[1].first - ext[0].first : 0);
+// The bytes of t's elements (none for no tensor).
+cupy_rope::ByteRange bytes_of(const at::Tensor* t) {
+  if (t == nullptr) return {};
+  return cupy_rope::byte_range(reinterpret_cast<intptr_t>(t->data_ptr()), t->dim(),
+                               static_cast<int64_t>(t->element_size()), [t](int64_t i) { return t->size(i); },
+                               [t](int64_t i) { return t->stride(i) * static_cast<int64_t>(t->element_size()); });
 }
 
 // A hit: allocate the outputs (into `outs`), patch, launch. False (nothing launched) when an
@@ -274,7 +251,7 @@ Lookup lookup(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> args) {
   l.key.reserve(64);
   l.arrays = launch_arrays(l.f, args);
   l.keyed = make_key(op, args, l.key);
-  if (l.keyed && (l.f == QK_INPLACE || l.f == POS_INPLACE)) push_overlaps(l.key, l.arrays, 2);
+  if (l.keyed && (l.f == QK_INPLACE || l.f == POS_INPLACE)) cupy_rope::push_overlaps(l.key, l.arrays, 2, bytes_of);
   if (l.keyed) {
     std::lock_guard<std::mutex> g(mu);
     if (enabled) {
