@@ -1,7 +1,7 @@
 """Mutation run: plant single-operator bugs in ``kernels_cu/`` and in the launch-plan, positions,
 XLA-launch, table and shim code and the CuPy launch path (``cupy_rope/_plan.py``,
 ``cupy_rope/_positions.py``, ``cupy_rope/_xla.py``, ``cupy_rope/torch.py``,
-``cupy_rope/csrc/cupy_launch.cpp``, ...: ``FILES``) and check that the CPU suite (NumPy backend,
+``cupy_rope/csrc/cupy_launch.cpp``, ``cupy_rope/csrc/overlap.h``, ...: ``FILES``) and check that the CPU suite (NumPy backend,
 host build of the kernels, the launch paths on fake device memory) catches each one that still
 builds.
 
@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ("kernels_cu/rope_common.cuh", "kernels_cu/rope.cu", "kernels_cu/qkv_rope.cu", "cupy_rope/_plan.py",
          "cupy_rope/_worksplit.py", "cupy_rope/_abi.py", "cupy_rope/_positions.py", "cupy_rope/_numpy_backend.py",
          "cupy_rope/_xla.py", "cupy_rope/_launch.py", "cupy_rope/_freqs.py", "cupy_rope/torch.py", "cupy_rope/te.py",
-         "cupy_rope/_jax_ops.py", "cupy_rope/_dropins.py", "cupy_rope/csrc/cupy_launch.cpp")
+         "cupy_rope/_jax_ops.py", "cupy_rope/_dropins.py", "cupy_rope/csrc/cupy_launch.cpp",
+         "cupy_rope/csrc/overlap.h")
 TESTS = ["tests/test_launch_cache.py", "tests/test_instantiations.py", "tests/test_cpu_qkv.py", "tests/test_fuzz.py::test_fuzz_numpy",
          "tests/test_fuzz.py::test_fuzz_torch_cpu", "tests/test_fuzz.py::test_fuzz_host_kernels", "tests/test_positions.py",
          "tests/test_cpu_matrix.py::test_host_kernels", "tests/test_cpu_matrix.py::test_host_kernel_row_chunks", "tests/test_cpu_matrix.py::test_numpy_backend",
@@ -105,7 +106,7 @@ def run_mutant(m, timeout):
         (root / f).write_text("\n".join(lines) + "\n")
         env = dict(os.environ, CUPY_ROPE_KERNELS_DIR=str(root / "kernels_cu"),
                    CUPY_ROPE_HOST_CACHE=str(Path(tmp) / "cache"), PYTHONPATH=str(root))
-        lib = ("from cupy_rope import _cupy_ext; _cupy_ext.build()" if f.endswith("cupy_launch.cpp") else
+        lib = ("from cupy_rope import _cupy_ext; _cupy_ext.build()" if f.startswith("cupy_rope/csrc/") else
                "from cupy_rope._dev import hostkernels; hostkernels.library()")
         build = subprocess.run([sys.executable, "-c", lib], env=env, capture_output=True, text=True, cwd=root)
         if build.returncode:
