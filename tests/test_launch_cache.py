@@ -580,6 +580,43 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
         fast({}, ("rope",), (), (x(),), 2)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_cpp_overlap_words_follow_the_python_definition(monkeypatch, cupy_ext, seed):
+    """The C++ key's overlap words (csrc/overlap.h: whether a written array spans bytes of a
+    read-only one; whether the two written arrays' spans meet, and their relative address) are
+    :func:`cupy_rope._launch.overlap_signature`'s, for random views of one buffer: strided,
+    reversed, transposed, broadcast and empty views at random offsets, including a view that starts
+    inside another's span, and the same view twice; one or two written arrays among two to four."""
+    from cupy_rope import _launch
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    fast = cupy_ext[0]
+    buf = dev.array((4096,), np.float32)
+    rng = np.random.default_rng(seed)
+
+    def view():
+        rows, cols = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+        start = int(rng.integers(0, 64))  # views often meet
+        v = buf[start:start + rows * cols].reshape(rows, cols)
+        pick = int(rng.integers(0, 6))
+        return [v, v[::-1], v[:, ::2], v.T, v[:, :0], cupy.broadcast_to(v[:1], (3, cols))][pick]
+
+    seen = set()
+    for _ in range(300):
+        arrays = [view() for _ in range(int(rng.integers(2, 5)))]
+        if rng.random() < 0.2:
+            arrays[1] = arrays[0]  # the same view twice (relative address 0)
+        if len(arrays) > 2 and rng.random() < 0.3:
+            arrays[-1] = None
+        written = int(rng.integers(1, 3))
+        words = np.frombuffer(fast({}, ("t",), (), tuple(arrays), written), "<i8")[-3:]
+        ro, rel = _launch.overlap_signature("cupy", arrays, written)
+        assert (bool(words[0]), bool(words[1]), int(words[2])) == (ro, rel is not None, rel or 0), (arrays, written)
+        seen |= {("ro", ro), ("rel", None if rel is None else rel == 0)}
+    assert seen == {("ro", True), ("ro", False), ("rel", None), ("rel", True), ("rel", False)}  # every case drawn
+
+
 class FakeDriverError(RuntimeError):
     def __init__(self, rc):
         super().__init__(f"CUresult {rc}")

@@ -2,6 +2,7 @@
 // by the torch and CuPy C++ paths: what the call's validation depends on beyond the descriptors.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cupy_rope {
