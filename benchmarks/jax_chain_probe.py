@@ -3,7 +3,8 @@
     python benchmarks/jax_chain_probe.py [--json FILE] [CASE ...]
 
 A case is ``NAME`` or ``NAME:ENV=VALUE,ENV=VALUE`` (environment for that case's process, e.g.
-``nopdl:CUPY_ROPE_PDL=0`` or ``cb1:XLA_FLAGS=--xla_gpu_graph_min_graph_size=1``). Each case runs
+``nopdl:CUPY_ROPE_PDL=0`` or ``cc:XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL``;
+XLA_FLAGS values are added to the environment's). Each case runs
 in its own process (XLA reads its flags once) and times, at the per-call benchmark's decode shape
 ([1, 64, 32, 128] bf16, offsets, ``benchmarks/model.py --percall``), a jitted chain of 16 calls of:
 cupy_rope through the FFI handler, cupy_rope through the command-buffer callback, and the formula;
@@ -107,7 +108,7 @@ def main() -> None:
     for case in args.cases:
         name, _, envs = case.partition(":")
         env = dict(os.environ)
-        for kv in filter(None, envs.split(",")):
+        for kv in filter(None, re.split(r",(?=[A-Za-z_]\w*=)", envs)):  # a value may hold commas
             k, _, v = kv.partition("=")
             env[k] = (env.get(k, "") + " " + v).strip() if k == "XLA_FLAGS" else v
         env.update(CHAIN_PROBE_CHILD="1", TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=",".join(
