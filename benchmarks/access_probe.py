@@ -13,6 +13,18 @@ from a float32 cos/sin table made by a separate kernel), and cupy_rope's own cal
 library's split picks; ``--tune`` as ``benchmarks/run.py`` takes it), each checked against a
 float32 rotation. Results and what they say: ``benchmarks/NOTES.md`` (sixteenth session).
 
+Added in the twenty-fifth session, for the question whether an angle table turned into a cos/sin
+table once per call beats ``sincosf`` per thread (issue 14's lead):
+- ``rowsR_sincos, both angles``: R rows per thread that also load each pair's second angle and
+  compare it (a second ``sincosf`` where it differs), one pair at a time in the packed words: the
+  library's lean kernel's work for any table, against ``rowsR_sincos``'s standard-table shortcut.
+- ``rowsR_csW``: R rows per thread reading a cos/sin table of W values per pair (W = 1: one
+  (cos, sin) per pair, enough for standard tables; W = 2: (cos, sin) of both angles, any table),
+  timed with the table made once outside the timing, after a prologue kernel that makes it
+  (``csW + rowsR_csW``), and as a programmatic dependent launch after the prologue (``(PDL)``:
+  the prologue lets the main kernel start at once, and the main kernel loads its rows before it
+  waits for the table).
+
     python benchmarks/access_probe.py [--tokens 8192 --heads 32 --d 128] [--json F]
     python benchmarks/access_probe.py --rope [--tokens 16384 --heads 8 --positions 8192 --pdiv 1]
 """
@@ -90,17 +102,30 @@ extern "C" __global__ void tokloop(const uint4* __restrict__ x, uint4* __restric
 
 #include <cuda_bf16.h>
 // ---- rope variants (bf16, neox, d = 128: 8 units of 8 pairs; pos = (t / pdiv) % S)
-__device__ __forceinline__ void rot8(uint4& a, uint4& b, const float* c, const float* s) {
+// pair e: first member (in a) rotated by (c[e], s[e]), second (in b) by (cg[e], sg[e])
+__device__ __forceinline__ void rot8(uint4& a, uint4& b, const float* c, const float* s, const float* cg, const float* sg) {
   unsigned* pa = reinterpret_cast<unsigned*>(&a); unsigned* pb = reinterpret_cast<unsigned*>(&b);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     float x0 = __uint_as_float(pa[i] << 16), x1 = __uint_as_float(pa[i] & 0xffff0000u);
     float y0 = __uint_as_float(pb[i] << 16), y1 = __uint_as_float(pb[i] & 0xffff0000u);
     float o0 = x0 * c[2*i] - y0 * s[2*i], o1 = x1 * c[2*i+1] - y1 * s[2*i+1];
-    float q0 = y0 * c[2*i] + x0 * s[2*i], q1 = y1 * c[2*i+1] + x1 * s[2*i+1];
+    float q0 = y0 * cg[2*i] + x0 * sg[2*i], q1 = y1 * cg[2*i+1] + x1 * sg[2*i+1];
     __nv_bfloat162 ho = __floats2bfloat162_rn(o0, o1), hq = __floats2bfloat162_rn(q0, q1);
     pa[i] = *reinterpret_cast<unsigned*>(&ho); pb[i] = *reinterpret_cast<unsigned*>(&hq);
   }
+}
+// element e of a unit (a: first members, b: second members), rotated in the packed words
+__device__ __forceinline__ void rot1(uint4& a, uint4& b, int e, float cf, float sf, float cg, float sg) {
+  unsigned& wa = reinterpret_cast<unsigned*>(&a)[e / 2];
+  unsigned& wb = reinterpret_cast<unsigned*>(&b)[e / 2];
+  const int sh = e % 2 ? 0 : 16;
+  const unsigned keep = e % 2 ? 0x0000ffffu : 0xffff0000u;
+  const float x0 = __uint_as_float((wa << sh) & 0xffff0000u), y0 = __uint_as_float((wb << sh) & 0xffff0000u);
+  const unsigned o = __bfloat16_as_ushort(__float2bfloat16_rn(x0 * cf - y0 * sf));
+  const unsigned q = __bfloat16_as_ushort(__float2bfloat16_rn(y0 * cg + x0 * sg));
+  wa = (wa & keep) | (o << (16 - sh));
+  wb = (wb & keep) | (q << (16 - sh));
 }
 extern "C" __global__ void cs_table(const float* __restrict__ f, float2* __restrict__ cs, int S) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -149,7 +174,7 @@ __device__ void lin_rope(const uint4* __restrict__ x, uint4* __restrict__ y, con
 #pragma unroll
     for (int e = 0; e < 8; ++e) { float2 v = sh[wb * 2 + u * 8 + e]; c[e] = v.x; s[e] = v.y; }
   }
-  rot8(a, b, c, s);
+  rot8(a, b, c, s, c, s);
   y[off] = a; y[off + 8] = b;
 }
 extern "C" __global__ void lin_sincos(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<0>(x, y, f, cs, tok, H, pdiv, S); }
@@ -158,8 +183,9 @@ extern "C" __global__ void lin_share(const uint4* x, uint4* y, const float* f, c
 extern "C" __global__ void lin_warp(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<3>(x, y, f, cs, tok, H, pdiv, S); }
 
 // R rows per thread: heads c, c + H/R, ... of one token (lanes: unit fastest, then c), all loads
-// up front, the unit's 8 sincosf once for the R rows.
-template <int R>
+// up front, the unit's 8 sincosf once for the R rows. BOTH: each pair's second angle loaded too
+// and compared (its own sincosf where it differs), as the library's kernels do for any table.
+template <int R, bool BOTH = false>
 __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
                           long long tok, int H, int pdiv, int S) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -171,16 +197,110 @@ __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, co
 #pragma unroll
   for (int j = 0; j < R; ++j) { a[j] = x[base + j * step]; b[j] = x[base + j * step + 8]; }
   int pos = (int)((t / pdiv) % S);
-  float cc[8], ss[8];
+  if (BOTH) {  // one pair at a time in every row (the library's lean kernel's order and registers)
 #pragma unroll
-  for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &ss[e], &cc[e]);
+    for (int e = 0; e < 8; ++e) {
+      const float af = f[pos * 128 + u * 8 + e], ag = f[pos * 128 + 64 + u * 8 + e];
+      float sf, cf, sg, cg;
+      sincosf(af, &sf, &cf);
+      sg = sf, cg = cf;
+      if (ag != af) sincosf(ag, &sg, &cg);
 #pragma unroll
-  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+      for (int j = 0; j < R; ++j) rot1(a[j], b[j], e, cf, sf, cg, sg);
+    }
+  } else {
+    float cc[8], ss[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &ss[e], &cc[e]);
+#pragma unroll
+    for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) { y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
 }
+
+// ---- a cos/sin table made by a prologue kernel per call (W = 1: one (cos, sin) per pair, for
+// standard tables; W = 2: (cos f, sin f, cos g, sin g) per pair, any table), read by R rows per
+// thread. PDL: the prologue lets the main kernel start at once; the main kernel loads its rows,
+// then waits for the prologue's table (griddepcontrol).
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+template <int W, bool PDL>
+__device__ void cs_impl(const float* __restrict__ f, float* __restrict__ cs, int S) {
+  if (PDL) pdl_trigger();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= S * 64) return;
+  const float* row = f + (i / 64) * 128 + i % 64;
+  float s, c; sincosf(row[0], &s, &c);
+  if (W == 1) { reinterpret_cast<float2*>(cs)[i] = make_float2(c, s); return; }
+  float s2, c2; sincosf(row[64], &s2, &c2);
+  reinterpret_cast<float4*>(cs)[i] = make_float4(c, s, c2, s2);
+}
+extern "C" __global__ void cs1(const float* f, float* cs, int S) { cs_impl<1, false>(f, cs, S); }
+extern "C" __global__ void cs2(const float* f, float* cs, int S) { cs_impl<2, false>(f, cs, S); }
+extern "C" __global__ void cs1_pdl(const float* f, float* cs, int S) { cs_impl<1, true>(f, cs, S); }
+extern "C" __global__ void cs2_pdl(const float* f, float* cs, int S) { cs_impl<2, true>(f, cs, S); }
+template <int R, int W, bool PDL>
+__device__ void rows_cs(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ cs,
+                        long long tok, int H, int pdiv, int S) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int C = H / R;
+  int u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); long long t = rest / C;
+  if (t >= tok) return;
+  uint4 a[R], b[R];
+  const long long base = (t * H + c) * 16 + u, step = (long long)C * 16;
+#pragma unroll
+  for (int j = 0; j < R; ++j) { a[j] = x[base + j * step]; b[j] = x[base + j * step + 8]; }
+  if (PDL) pdl_wait();
+  int pos = (int)((t / pdiv) % S);
+  float cc[8], ss[8], cg[8], sg[8];
+  const float4* p = reinterpret_cast<const float4*>(cs) + ((long long)pos * 64 + u * 8) * W / 2;
+  if (W == 1) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { float4 v = p[e]; cc[2*e] = cg[2*e] = v.x; ss[2*e] = sg[2*e] = v.y; cc[2*e+1] = cg[2*e+1] = v.z; ss[2*e+1] = sg[2*e+1] = v.w; }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) { float4 v = p[e]; cc[e] = v.x; ss[e] = v.y; cg[e] = v.z; sg[e] = v.w; }
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cg, sg); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+}
+#define ROWS_CS(R, W) \
+  extern "C" __global__ void rows##R##_cs##W(const uint4* x, uint4* y, const float* cs, long long tok, int H, int pdiv, int S) { rows_cs<R, W, false>(x, y, cs, tok, H, pdiv, S); } \
+  extern "C" __global__ void rows##R##_cs##W##_pdl(const uint4* x, uint4* y, const float* cs, long long tok, int H, int pdiv, int S) { rows_cs<R, W, true>(x, y, cs, tok, H, pdiv, S); }
+ROWS_CS(1, 1) ROWS_CS(2, 1) ROWS_CS(4, 1) ROWS_CS(1, 2) ROWS_CS(2, 2) ROWS_CS(4, 2)
 extern "C" __global__ void rows2(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2>(x, y, f, tok, H, pdiv, S); }
 extern "C" __global__ void rows4(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4>(x, y, f, tok, H, pdiv, S); }
 extern "C" __global__ void rows8(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<8>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows2_both(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2, true>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows4_both(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4, true>(x, y, f, tok, H, pdiv, S); }
 """
+
+
+def _pdl_launcher(cp):
+    """launch(kernel, grid, block, args) as a programmatic dependent launch on the current stream
+    (cuLaunchKernelEx through the launch layer's ctypes structures), or None without a driver that
+    has it. Arguments: CuPy arrays and NumPy scalars, as ``RawKernel`` takes them."""
+    import ctypes
+
+    from cupy_rope import _launch
+
+    fn = _launch._launch_ex()
+    if fn is None or int(cp.cuda.Device().compute_capability) < 90:
+        return None
+
+    def launch(kernel, grid, block, args):
+        vals = [ctypes.c_void_p(a.data.ptr) if hasattr(a, "data") and hasattr(a.data, "ptr")
+                else (ctypes.c_int64 if a.dtype.itemsize == 8 else ctypes.c_int32)(int(a)) for a in args]
+        argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+        attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = _launch._LaunchConfig((grid[0], 1, 1), (block[0], 1, 1), 0, cp.cuda.get_current_stream().ptr,
+                                    ctypes.pointer(attr), 1)
+        rc = fn(ctypes.addressof(cfg), getattr(kernel, "kernel", kernel).ptr, ctypes.addressof(argv), None)
+        if rc:
+            _launch.raise_driver_error(rc)
+    return launch
 
 
 def main(argv=None):
@@ -263,8 +383,34 @@ def main(argv=None):
                 variants[f"rows{R}_sincos"] = (lambda R=R: mod.get_function(f"rows{R}")(
                     ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
                 check.add(f"rows{R}_sincos")
+                if R in (2, 4):  # the same with both angles of each pair loaded and compared
+                    variants[f"rows{R}_sincos, both angles"] = (lambda R=R: mod.get_function(f"rows{R}_both")(
+                        ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
+                    check.add(f"rows{R}_sincos, both angles")
         variants["cs_table + lin_cs"] = lambda: (cs_fn(), variants["lin_cs"]())
         check.add("cs_table + lin_cs")
+        # cos/sin tables made per call (W values per pair), then R rows per thread reading them:
+        # the table alone (made once, outside the timing), prologue + main, prologue + main as a
+        # programmatic dependent launch
+        csw = {1: cp.empty((S, 64, 2), cp.float32), 2: cp.empty((S, 64, 4), cp.float32)}
+        for W in (1, 2):
+            mod.get_function(f"cs{W}")(((S * 64 + 255) // 256,), (256,), (f, csw[W], i32(S)))
+        pdl = _pdl_launcher(cp)
+        for W in (1, 2):
+            pro = (((S * 64 + 255) // 256,), (256,), (f, csw[W], i32(S)))
+            variants[f"cs{W} prologue alone"] = (lambda W=W, pro=pro: mod.get_function(f"cs{W}")(*pro))
+            for R in (1, 2, 4):
+                if heads % R:
+                    continue
+                main = (((rows * hu // R + 255) // 256,), (256,), (x, y, csw[W], i64(tok), i32(heads), i32(pdiv), i32(S)))
+                k = f"rows{R}_cs{W}"
+                variants[f"{k} (table made once)"] = (lambda k=k, main=main: mod.get_function(k)(*main))
+                variants[f"cs{W} + {k}"] = (lambda W=W, k=k, pro=pro, main=main: (
+                    mod.get_function(f"cs{W}")(*pro), mod.get_function(k)(*main)))
+                if pdl is not None:
+                    variants[f"cs{W}_pdl + {k}_pdl (PDL)"] = (lambda W=W, k=k, pro=pro, main=main: (
+                        mod.get_function(f"cs{W}_pdl")(*pro), pdl(mod.get_function(k + "_pdl"), *main)))
+                check.update(n for n in variants if k in n)
         xt = torch.from_dlpack(x).view(torch.bfloat16)
         yt = torch.from_dlpack(y).view(torch.bfloat16)
         ft = torch.from_dlpack(f).view(S, 1, 1, d)
@@ -295,7 +441,7 @@ def main(argv=None):
                 err = float(cp.abs(got - ref).max() / cp.abs(ref).max())
                 if err > 2 ** -7:
                     raise SystemExit(f"{name}: wrong rotation, max rel err {err}")
-            elif not name.startswith("cs_table") and not bool((y == x).all()):
+            elif not name.startswith("cs") and not bool((y == x).all()):
                 raise SystemExit(f"{name}: wrong copy")
             stream.begin_capture()
             for _ in range(a.reps):

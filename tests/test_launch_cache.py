@@ -510,6 +510,8 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
     assert type(k1) is bytes and k1 == key(arrays=(x(), f, None))
     big = dev.array((4, 2, 3, 16), np.float16)
     others = [key(opts=("sbhd", 0, 1, 0), arrays=(x(), f, None)),  # 0 is not False
+              key(opts=("sbhd", None, 1, 0), arrays=(x(), f, None)),  # nor None, nor 2 (ints are typed too)
+              key(opts=("sbhd", 2, 1, 0), arrays=(x(), f, None)),
               key(opts=("sbhd", False, 1, 0, None), arrays=(x(), f, None)),
               key(opts=(("sbhd",), False, 1, 0), arrays=(x(), f, None)),
               key(opts=("bshd", False, 1, 0), arrays=(x(), f, None)),
