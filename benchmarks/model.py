@@ -26,9 +26,10 @@ alike for all. Each variant's layer is its own code object, compiled as if it we
 
 Per call (``--percall``): host cost of each entry point at the decode shape ``[1, 64, 32, 128]``
 bf16 with offsets, against the formula in the same framework and mode (their rounds interleaved),
-and the raw launch cost of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel`` and
-cuda-bindings' ``cuda.bindings.driver.cuLaunchKernel`` (where installed) on a prepared argument
-block.
+and the raw launch cost of ``cupy.RawKernel`` against CuPy's binding of ``cuLaunchKernel``,
+libcuda's ``cuLaunchKernel`` and ``cuLaunchKernelEx`` with the programmatic attribute through
+ctypes (the library's Python launch), and cuda-bindings' ``cuda.bindings.driver.cuLaunchKernel``
+(where installed) on a prepared argument block.
 
     python benchmarks/model.py --json benchmarks/results/h200_model.json
     python benchmarks/model.py --configs decode --modes eager --kinds infer   # a subset
@@ -485,6 +486,41 @@ def percall_rows(profile=None):
     add("launch: cupy.RawKernel.__call__ (1 arg)", _wall_us(lambda: kern((1,), (32,), (np.int64(0),)), csync))
     add("launch: cupy.cuda.driver.launchKernel, prepared args",
         _wall_us(lambda: driver.launchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(argv), 0), csync))
+    # the library's Python launch (cupy_rope._launch.Prepared: libcuda through ctypes), plain and
+    # programmatic: what the programmatic attribute costs the host per launch
+    from cupy_rope import _launch
+
+    argv_addr = ctypes.addressof(argv)
+    what = "launch: libcuda cuLaunchKernel through ctypes, prepared args"
+    try:
+        plain = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        plain.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        plain.restype = ctypes.c_int
+
+        def launch_plain():
+            return plain(fptr, 1, 1, 1, 32, 1, 1, 0, stream, argv_addr, None)
+
+        rc = launch_plain()
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel returned {rc}")
+        add(what, _wall_us(launch_plain, csync))
+        ex = _launch._launch_ex()
+        if ex is not None:
+            what = "launch: libcuda cuLaunchKernelEx through ctypes, programmatic, prepared args"
+            attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            config = _launch._LaunchConfig((1, 1, 1), (32, 1, 1), 0, stream, ctypes.pointer(attr), 1)
+            config_addr = ctypes.addressof(config)
+
+            def launch_ex():
+                return ex(config_addr, fptr, argv_addr, None)
+
+            rc = launch_ex()
+            if rc:
+                raise RuntimeError(f"cuLaunchKernelEx returned {rc}")
+            add(what, _wall_us(launch_ex, csync))
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal: the rows above are kept
+        rows.append(dict(entry=what, us_per_call=None, formula_us_per_call=None,
+                         note=f"failed: {type(e).__name__}: {e}"[:200]))
     try:
         from cuda.bindings import driver as cbd
     except ImportError:
@@ -492,8 +528,6 @@ def percall_rows(profile=None):
                          formula_us_per_call=None, note="cuda-bindings not installed on the benchmark machine"))
         return rows
     try:  # the same prepared block through cuda-bindings (kernelParams as the address of the void* array)
-        argv_addr = ctypes.addressof(argv)
-
         def cb_launch():
             err, = cbd.cuLaunchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, argv_addr, 0)
             if err != cbd.CUresult.CUDA_SUCCESS:
