@@ -330,6 +330,7 @@ class FakeCupyDevice:
         from cupy_rope import _abi
 
         self.cupy, self.next, self.fptrs, self.ctx, self.misalign = cupy, 0, {}, 222, 0
+        self.alloc_fn = self.stream_fn = None  # the C++ path's allocator and stream query, once configured
         self.mem = cupy.cuda.UnownedMemory(1 << 40, 1 << 32, None, device_id=0)
         names = {}
 
@@ -376,8 +377,10 @@ class FakeCupyDevice:
         self.callbacks = (self.CTX(ctx_get), self.PLAIN(plain), self.EX(self.driver.launch_ex))
         fast, entry_fn, configure_fn = functions
         self.stream = types.SimpleNamespace(ptr=0xABC0)  # as cupy.cuda.get_current_stream's Stream
-        _cupy_ext.configure(configure_fn, alloc=lambda shape, dtype: self.array(shape, dtype, self.misalign),
-                            stream=lambda dev: self.stream,
+        # the functions the C++ path calls (kept here: tests count their references)
+        self.alloc_fn = lambda shape, dtype: self.array(shape, dtype, self.misalign)
+        self.stream_fn = lambda dev: self.stream
+        _cupy_ext.configure(configure_fn, alloc=self.alloc_fn, stream=self.stream_fn,
                             driver=[ctypes.cast(c, ctypes.c_void_p).value for c in self.callbacks])
         monkeypatch.setattr(_launch, "CUPY_EXT", (fast, functools.partial(_cupy_ext.entry, entry_fn)))
 
@@ -514,6 +517,7 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
               key(opts=("sbhd", 2, 1, 0), arrays=(x(), f, None)),
               key(opts=("sbhd", False, 1, 0, None), arrays=(x(), f, None)),
               key(opts=(("sbhd",), False, 1, 0), arrays=(x(), f, None)),
+              key(opts=("sbhd\0", False, 1, 0), arrays=(x(), f, None)),  # strings carry their lengths
               key(opts=("bshd", False, 1, 0), arrays=(x(), f, None)),
               key(opts=("sbhd", False, 2, 0), arrays=(x(), f, None)),
               key(head=("rope", True), arrays=(x(), f, None)),
@@ -827,7 +831,10 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
             for call in calls:
                 call(dev, cupy_rope)
 
-    dtypes = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)]  # shared objects
+    # shared objects: dtypes, the stream, the functions the C++ path is configured with
+    shared = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)] + [dev.stream]
+    if dev.stream_fn is not None:
+        shared += [dev.alloc_fn, dev.stream_fn, _launch.raise_driver_error]
     class Device:  # the Python path's launch in another device's context
         def __init__(self, i):
             pass
@@ -844,7 +851,7 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
         rounds(20)
         hits = _launch._STATS["hits"]
         gc.collect()
-        refs = [sys.getrefcount(t) for t in dtypes + [dev.stream]]
+        refs = [sys.getrefcount(t) for t in shared]
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
@@ -855,7 +862,7 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
             tracemalloc.stop()
         assert _launch._STATS["hits"] == hits + 1000 * len(calls)
         assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits (context {ctx})"
-        assert [sys.getrefcount(t) for t in dtypes + [dev.stream]] == refs
+        assert [sys.getrefcount(t) for t in shared] == refs
     # the C++ path keeps a reference to each dtype object it has keyed (its address stays its
     # own); arrays of ever new dtype objects: those references are a bounded cache
     fast = cupy_ext[0]

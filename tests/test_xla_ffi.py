@@ -93,9 +93,11 @@ def test_ffi_rope_single_tensor(lowered_for_cuda):
         text = lowered_for_cuda(lambda t, f, s: entry(t, f, "sbhd", start_positions=s, cp_size=2, cp_rank=1),
                                 xn, fn_, sp)
         y = _poisoned(xn.shape, np.float32)
-        run_lowered(text, [_aligned(xn), _aligned(fn_), _aligned(sp)], [y])
+        kernel = run_lowered(text, [_aligned(xn), _aligned(fn_), _aligned(sp)], [y])
         assert_close_to_ref(y, rope_ref(xn, fn_, start_positions=sp, cp_size=2, cp_rank=1, backward=backward),
                             xn, 64, "float32")
+        # planned on addresses as aligned as XLA's buffers: the widest (16-byte) vectors
+        assert "_f32_v4_" in kernel, kernel
 
 
 @pytest.mark.parametrize("form", ["separate", "fused5", "flat_gqa"])
