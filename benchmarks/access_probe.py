@@ -185,22 +185,35 @@ extern "C" __global__ void lin_warp(const uint4* x, uint4* y, const float* f, co
 // R rows per thread: heads c, c + H/R, ... of one token (lanes: unit fastest, then c), all loads
 // up front, the unit's 8 sincosf once for the R rows. BOTH: each pair's second angle loaded too
 // and compared (its own sincosf where it differs), as the library's kernels do for any table.
+struct RowsOf {
+  long long t, base, step;  // token; vector index of the first row's unit; rows' step (vectors)
+  int u;                    // unit
+};
+// The thread's R rows (heads c, c + H/R, ... of one token; lanes: unit fastest, then c), loaded
+// up front into a, b; false past the last token.
+template <int R>
+__device__ __forceinline__ bool load_rows(const uint4* __restrict__ x, long long tok, int H, uint4* a, uint4* b,
+                                          RowsOf& r) {
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const int C = H / R;
+  r.u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); r.t = rest / C;
+  if (r.t >= tok) return false;
+  r.base = (r.t * H + c) * 16 + r.u, r.step = (long long)C * 16;
+#pragma unroll
+  for (int j = 0; j < R; ++j) { a[j] = x[r.base + j * r.step]; b[j] = x[r.base + j * r.step + 8]; }
+  return true;
+}
 template <int R, bool BOTH = false>
 __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
                           long long tok, int H, int pdiv, int S) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int C = H / R;
-  int u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); long long t = rest / C;
-  if (t >= tok) return;
   uint4 a[R], b[R];
-  const long long base = (t * H + c) * 16 + u, step = (long long)C * 16;
-#pragma unroll
-  for (int j = 0; j < R; ++j) { a[j] = x[base + j * step]; b[j] = x[base + j * step + 8]; }
-  int pos = (int)((t / pdiv) % S);
+  RowsOf r;
+  if (!load_rows<R>(x, tok, H, a, b, r)) return;
+  int pos = (int)((r.t / pdiv) % S);
   if (BOTH) {  // one pair at a time in every row (the library's lean kernel's order and registers)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float af = f[pos * 128 + u * 8 + e], ag = f[pos * 128 + 64 + u * 8 + e];
+      const float af = f[pos * 128 + r.u * 8 + e], ag = f[pos * 128 + 64 + r.u * 8 + e];
       float sf, cf, sg, cg;
       sincosf(af, &sf, &cf);
       sg = sf, cg = cf;
@@ -211,13 +224,13 @@ __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, co
   } else {
     float cc[8], ss[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &ss[e], &cc[e]);
+    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + r.u * 8 + e], &ss[e], &cc[e]);
 #pragma unroll
-    for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+    for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
     return;
   }
 #pragma unroll
-  for (int j = 0; j < R; ++j) { y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+  for (int j = 0; j < R; ++j) { y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
 }
 
 // ---- a cos/sin table made by a prologue kernel per call (W = 1: one (cos, sin) per pair, for
@@ -244,18 +257,13 @@ extern "C" __global__ void cs2_pdl(const float* f, float* cs, int S) { cs_impl<2
 template <int R, int W, bool PDL>
 __device__ void rows_cs(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ cs,
                         long long tok, int H, int pdiv, int S) {
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const int C = H / R;
-  int u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); long long t = rest / C;
-  if (t >= tok) return;
   uint4 a[R], b[R];
-  const long long base = (t * H + c) * 16 + u, step = (long long)C * 16;
-#pragma unroll
-  for (int j = 0; j < R; ++j) { a[j] = x[base + j * step]; b[j] = x[base + j * step + 8]; }
+  RowsOf r;
+  if (!load_rows<R>(x, tok, H, a, b, r)) return;
   if (PDL) pdl_wait();
-  int pos = (int)((t / pdiv) % S);
+  int pos = (int)((r.t / pdiv) % S);
   float cc[8], ss[8], cg[8], sg[8];
-  const float4* p = reinterpret_cast<const float4*>(cs) + ((long long)pos * 64 + u * 8) * W / 2;
+  const float4* p = reinterpret_cast<const float4*>(cs) + ((long long)pos * 64 + r.u * 8) * W / 2;
   if (W == 1) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) { float4 v = p[e]; cc[2*e] = cg[2*e] = v.x; ss[2*e] = sg[2*e] = v.y; cc[2*e+1] = cg[2*e+1] = v.z; ss[2*e+1] = sg[2*e+1] = v.w; }
@@ -264,7 +272,7 @@ __device__ void rows_cs(const uint4* __restrict__ x, uint4* __restrict__ y, cons
     for (int e = 0; e < 8; ++e) { float4 v = p[e]; cc[e] = v.x; ss[e] = v.y; cg[e] = v.z; sg[e] = v.w; }
   }
 #pragma unroll
-  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cg, sg); y[base + j * step] = a[j]; y[base + j * step + 8] = b[j]; }
+  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cg, sg); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
 }
 #define ROWS_CS(R, W) \
   extern "C" __global__ void rows##R##_cs##W(const uint4* x, uint4* y, const float* cs, long long tok, int H, int pdiv, int S) { rows_cs<R, W, false>(x, y, cs, tok, H, pdiv, S); } \
