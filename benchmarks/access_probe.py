@@ -7,7 +7,7 @@ window? Each kernel copies the same bytes of a ``[tokens, heads, d]`` bf16 tenso
 vectors, two per thread and row (the rope unit: vectors u and u + d/16), and the result is
 checked. Prints device us per kernel (CUDA events over a CUDA-graph of ``--reps`` launches).
 
-``--rope`` (d = 128): also rotations in the same tensors written lean, in the peers' shape (one or
+``--rope`` (d a multiple of 16): also rotations in the same tensors written lean, in the peers' shape (one or
 R rows of a token per thread, cos/sin computed per thread, shared in a block or a warp, or read
 from a float32 cos/sin table made by a separate kernel), and cupy_rope's own call on them (as the
 library's split picks; ``--tune`` as ``benchmarks/run.py`` takes it), each checked against a
@@ -101,7 +101,17 @@ extern "C" __global__ void tokloop(const uint4* __restrict__ x, uint4* __restric
 }
 
 #include <cuda_bf16.h>
-// ---- rope variants (bf16, neox, d = 128: 8 units of 8 pairs; pos = (t / pdiv) % S)
+// ---- rope variants (bf16, neox, head size PD, a multiple of 16: PD / 16 units of 8 pairs;
+// pos = (t / pdiv) % S)
+#ifndef PD
+#define PD 128
+#endif
+constexpr int kHalf = PD / 2;     // pairs per row
+constexpr int kUnits = PD / 16;   // units per row: 16-byte vectors u (first members) and u + kUnits
+constexpr int kRowVec = PD / 8;   // 16-byte vectors per row
+// thread index -> (row or token part, unit): shifts where kUnits is a power of two
+__device__ __forceinline__ int unit_of(long long i) { return (int)(kUnits == 8 ? (i & 7) : i % kUnits); }
+__device__ __forceinline__ long long past_unit(long long i) { return kUnits == 8 ? (i >> 3) : i / kUnits; }
 // pair e: first member (in a) rotated by (c[e], s[e]), second (in b) by (cg[e], sg[e])
 __device__ __forceinline__ void rot8(uint4& a, uint4& b, const float* c, const float* s, const float* cg, const float* sg) {
   unsigned* pa = reinterpret_cast<unsigned*>(&a); unsigned* pb = reinterpret_cast<unsigned*>(&b);
@@ -129,35 +139,36 @@ __device__ __forceinline__ void rot1(uint4& a, uint4& b, int e, float cf, float 
 }
 extern "C" __global__ void cs_table(const float* __restrict__ f, float2* __restrict__ cs, int S) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= S * 64) return;
-  float s, c; sincosf(f[(i / 64) * 128 + i % 64], &s, &c); cs[i] = make_float2(c, s);
+  if (i >= S * kHalf) return;
+  float s, c; sincosf(f[(i / kHalf) * PD + i % kHalf], &s, &c); cs[i] = make_float2(c, s);
 }
-// MODE 0: 8 sincosf per thread; 1: cos/sin table; 2: block-shared sincosf (threads w < 64 of each
-// token compute pair w); 3: warp-shared (a warp's 4 rows are one token: 2 sincosf per lane)
+// MODE 0: 8 sincosf per thread; 1: cos/sin table; 2: block-shared sincosf (threads w < kHalf of
+// each token compute pair w; a block holds whole tokens); 3: warp-shared (PD = 128 only: a warp's
+// 4 rows are one token, 2 sincosf per lane)
 template <int MODE>
 __device__ void lin_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
                          const float2* __restrict__ cs, long long tok, int H, int pdiv, int S) {
   __shared__ float2 sh[512];
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  int u = (int)(i & 7); long long r = i >> 3; long long t = r / H;
+  int u = unit_of(i); long long r = past_unit(i); long long t = r / H;
   bool live = t < tok;
   uint4 a, b;
-  const long long off = r * 16 + u;
-  if (live) { a = x[off]; b = x[off + 8]; }
+  const long long off = r * kRowVec + u;
+  if (live) { a = x[off]; b = x[off + kUnits]; }
   int pos = (int)((t / pdiv) % S);
   float c[8], s[8];
   if (MODE == 0) {
     if (!live) return;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + u * 8 + e], &s[e], &c[e]);
+    for (int e = 0; e < 8; ++e) sincosf(f[pos * PD + u * 8 + e], &s[e], &c[e]);
   } else if (MODE == 1) {
     if (!live) return;
-    const float4* p = reinterpret_cast<const float4*>(cs + pos * 64 + u * 8);
+    const float4* p = reinterpret_cast<const float4*>(cs + pos * kHalf + u * 8);
 #pragma unroll
     for (int e = 0; e < 4; ++e) { float4 v = p[e]; c[2*e] = v.x; s[2*e] = v.y; c[2*e+1] = v.z; s[2*e+1] = v.w; }
   } else if (MODE == 2) {
-    int w = threadIdx.x % (H * 8), base = threadIdx.x - w;
-    if (w < 64 && live) { float sv, cv; sincosf(f[pos * 128 + w], &sv, &cv); sh[base + w] = make_float2(cv, sv); }
+    int w = threadIdx.x % (H * kUnits), base = threadIdx.x - w;
+    if (w < kHalf && live) { float sv, cv; sincosf(f[pos * PD + w], &sv, &cv); sh[base + w] = make_float2(cv, sv); }
     __syncthreads();
     if (!live) return;
 #pragma unroll
@@ -166,8 +177,8 @@ __device__ void lin_rope(const uint4* __restrict__ x, uint4* __restrict__ y, con
     int lane = threadIdx.x & 31, wb = threadIdx.x - lane;
     if (live) {
       float sv, cv;
-      sincosf(f[pos * 128 + lane], &sv, &cv); sh[wb * 2 + lane] = make_float2(cv, sv);
-      sincosf(f[pos * 128 + lane + 32], &sv, &cv); sh[wb * 2 + lane + 32] = make_float2(cv, sv);
+      sincosf(f[pos * PD + lane], &sv, &cv); sh[wb * 2 + lane] = make_float2(cv, sv);
+      sincosf(f[pos * PD + lane + 32], &sv, &cv); sh[wb * 2 + lane + 32] = make_float2(cv, sv);
     }
     __syncwarp();
     if (!live) return;
@@ -175,7 +186,7 @@ __device__ void lin_rope(const uint4* __restrict__ x, uint4* __restrict__ y, con
     for (int e = 0; e < 8; ++e) { float2 v = sh[wb * 2 + u * 8 + e]; c[e] = v.x; s[e] = v.y; }
   }
   rot8(a, b, c, s, c, s);
-  y[off] = a; y[off + 8] = b;
+  y[off] = a; y[off + kUnits] = b;
 }
 extern "C" __global__ void lin_sincos(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<0>(x, y, f, cs, tok, H, pdiv, S); }
 extern "C" __global__ void lin_cs(const uint4* x, uint4* y, const float* f, const float2* cs, long long tok, int H, int pdiv, int S) { lin_rope<1>(x, y, f, cs, tok, H, pdiv, S); }
@@ -196,11 +207,11 @@ __device__ __forceinline__ bool load_rows(const uint4* __restrict__ x, long long
                                           RowsOf& r) {
   long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const int C = H / R;
-  r.u = (int)(i & 7); long long rest = i >> 3; int c = (int)(rest % C); r.t = rest / C;
+  r.u = unit_of(i); long long rest = past_unit(i); int c = (int)(rest % C); r.t = rest / C;
   if (r.t >= tok) return false;
-  r.base = (r.t * H + c) * 16 + r.u, r.step = (long long)C * 16;
+  r.base = (r.t * H + c) * kRowVec + r.u, r.step = (long long)C * kRowVec;
 #pragma unroll
-  for (int j = 0; j < R; ++j) { a[j] = x[r.base + j * r.step]; b[j] = x[r.base + j * r.step + 8]; }
+  for (int j = 0; j < R; ++j) { a[j] = x[r.base + j * r.step]; b[j] = x[r.base + j * r.step + kUnits]; }
   return true;
 }
 template <int R, bool BOTH = false>
@@ -213,7 +224,7 @@ __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, co
   if (BOTH) {  // one pair at a time in every row (the library's lean kernel's order and registers)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float af = f[pos * 128 + r.u * 8 + e], ag = f[pos * 128 + 64 + r.u * 8 + e];
+      const float af = f[pos * PD + r.u * 8 + e], ag = f[pos * PD + kHalf + r.u * 8 + e];
       float sf, cf, sg, cg;
       sincosf(af, &sf, &cf);
       sg = sf, cg = cf;
@@ -224,13 +235,13 @@ __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, co
   } else {
     float cc[8], ss[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sincosf(f[pos * 128 + r.u * 8 + e], &ss[e], &cc[e]);
+    for (int e = 0; e < 8; ++e) sincosf(f[pos * PD + r.u * 8 + e], &ss[e], &cc[e]);
 #pragma unroll
-    for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
+    for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + kUnits] = b[j]; }
     return;
   }
 #pragma unroll
-  for (int j = 0; j < R; ++j) { y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
+  for (int j = 0; j < R; ++j) { y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + kUnits] = b[j]; }
 }
 
 // ---- a cos/sin table made by a prologue kernel per call (W = 1: one (cos, sin) per pair, for
@@ -243,11 +254,11 @@ template <int W, bool PDL>
 __device__ void cs_impl(const float* __restrict__ f, float* __restrict__ cs, int S) {
   if (PDL) pdl_trigger();
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= S * 64) return;
-  const float* row = f + (i / 64) * 128 + i % 64;
+  if (i >= S * kHalf) return;
+  const float* row = f + (i / kHalf) * PD + i % kHalf;
   float s, c; sincosf(row[0], &s, &c);
   if (W == 1) { reinterpret_cast<float2*>(cs)[i] = make_float2(c, s); return; }
-  float s2, c2; sincosf(row[64], &s2, &c2);
+  float s2, c2; sincosf(row[kHalf], &s2, &c2);
   reinterpret_cast<float4*>(cs)[i] = make_float4(c, s, c2, s2);
 }
 extern "C" __global__ void cs1(const float* f, float* cs, int S) { cs_impl<1, false>(f, cs, S); }
@@ -263,7 +274,7 @@ __device__ void rows_cs(const uint4* __restrict__ x, uint4* __restrict__ y, cons
   if (PDL) pdl_wait();
   int pos = (int)((r.t / pdiv) % S);
   float cc[8], ss[8], cg[8], sg[8];
-  const float4* p = reinterpret_cast<const float4*>(cs) + ((long long)pos * 64 + r.u * 8) * W / 2;
+  const float4* p = reinterpret_cast<const float4*>(cs) + ((long long)pos * kHalf + r.u * 8) * W / 2;
   if (W == 1) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) { float4 v = p[e]; cc[2*e] = cg[2*e] = v.x; ss[2*e] = sg[2*e] = v.y; cc[2*e+1] = cg[2*e+1] = v.z; ss[2*e+1] = sg[2*e+1] = v.w; }
@@ -272,7 +283,7 @@ __device__ void rows_cs(const uint4* __restrict__ x, uint4* __restrict__ y, cons
     for (int e = 0; e < 8; ++e) { float4 v = p[e]; cc[e] = v.x; ss[e] = v.y; cg[e] = v.z; sg[e] = v.w; }
   }
 #pragma unroll
-  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cg, sg); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + 8] = b[j]; }
+  for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cg, sg); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + kUnits] = b[j]; }
 }
 #define ROWS_CS(R, W) \
   extern "C" __global__ void rows##R##_cs##W(const uint4* x, uint4* y, const float* cs, long long tok, int H, int pdiv, int S) { rows_cs<R, W, false>(x, y, cs, tok, H, pdiv, S); } \
@@ -318,21 +329,21 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--rope", action="store_true", help="also rope variants (d = 128 only)")
+    ap.add_argument("--rope", action="store_true", help="also rope variants (d a multiple of 16)")
     ap.add_argument("--positions", type=int, default=4096, help="angle table rows S")
     ap.add_argument("--pdiv", type=int, default=2, help="position of token t: (t // pdiv) %% S (sbhd: b; bshd: 1)")
     ap.add_argument("--tune", default="", help="the library's tuning, as benchmarks/run.py --tune takes it")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    if a.rope and a.d != 128:
-        ap.error(f"--rope: the rope kernels take d = 128, got --d {a.d}")
+    if a.rope and (a.d % 16 or a.d <= 0):
+        ap.error(f"--rope: the rope kernels take a positive multiple of 16 for d, got --d {a.d}")
     if a.tune:
         from cupy_rope._dev.benchmark import apply_tuning
 
         apply_tuning(a.tune, ap)
     import cupy as cp
 
-    mod = cp.RawModule(code=SRC, options=("-std=c++17",), name_expressions=None)
+    mod = cp.RawModule(code=SRC, options=("-std=c++17", f"-DPD={a.d}"), name_expressions=None)
     tok, heads, d = a.tokens, a.heads, a.d
     hu = d // 16  # 16-byte vectors (bf16) per half row
     x = cp.random.randint(0, 2**16, size=(tok, heads, d), dtype=cp.uint16)
@@ -379,10 +390,14 @@ def main(argv=None):
         x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
         c, sn = cp.cos(ang[..., : d // 2]), cp.sin(ang[..., : d // 2])
         ref = cp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], -1)
-        cs_fn = lambda: mod.get_function("cs_table")(((S * 64 + 255) // 256,), (256,), (f, cs, i32(S)))
+        npairs = S * (d // 2)
+        cs_fn = lambda: mod.get_function("cs_table")(((npairs + 255) // 256,), (256,), (f, cs, i32(S)))
         variants["cs_table (prologue alone)"] = cs_fn
         nblk = (rows * hu + 255) // 256
-        for name in ("lin_sincos", "lin_cs", "lin_share", "lin_warp"):
+        lin = ["lin_sincos", "lin_cs"]
+        lin += ["lin_share"] * (256 % (heads * hu) == 0)  # a block of whole tokens
+        lin += ["lin_warp"] * (d == 128)  # a warp's four rows: one token's 64 pairs
+        for name in lin:
             variants[name] = (lambda name=name: mod.get_function(name)(
                 (nblk,), (256,), (x, y, f, cs, i64(tok), i32(heads), i32(pdiv), i32(S))))
             check.add(name)
@@ -400,12 +415,12 @@ def main(argv=None):
         # cos/sin tables made per call (W values per pair), then R rows per thread reading them:
         # the table alone (made once, outside the timing), prologue + main, prologue + main as a
         # programmatic dependent launch
-        csw = {1: cp.empty((S, 64, 2), cp.float32), 2: cp.empty((S, 64, 4), cp.float32)}
+        csw = {W: cp.empty((S, d // 2, 2 * W), cp.float32) for W in (1, 2)}
         for W in (1, 2):
-            mod.get_function(f"cs{W}")(((S * 64 + 255) // 256,), (256,), (f, csw[W], i32(S)))
+            mod.get_function(f"cs{W}")(((npairs + 255) // 256,), (256,), (f, csw[W], i32(S)))
         pdl = _pdl_launcher(cp)
         for W in (1, 2):
-            pro = (((S * 64 + 255) // 256,), (256,), (f, csw[W], i32(S)))
+            pro = (((npairs + 255) // 256,), (256,), (f, csw[W], i32(S)))
             variants[f"cs{W} prologue alone"] = (lambda W=W, pro=pro: mod.get_function(f"cs{W}")(*pro))
             for R in (1, 2, 4):
                 if heads % R:
