@@ -4,6 +4,7 @@ hands the prepared launch every address in the launch's name order, an output wh
 differs from the cached plan's is a miss."""
 
 import ctypes
+import sys
 import types
 
 import numpy as np
@@ -370,11 +371,22 @@ class FakeCupyDevice:
             out[0] = self.ctx
             return 0
 
+        def stray_blocks(fptr, argv):
+            """CUDA_ERROR_INVALID_VALUE (1) unless the C++ path hands the driver its kernel's
+            parameter blocks and nothing after them (its argument array of four, the rest null):
+            a callback's exception would not reach the test, the launch error does."""
+            n = self.driver.block_bytes(fptr)[1]
+            argvs = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))
+            return int([argvs[i] for i in range(n, 4)] != [None] * (4 - n))
+
         def plain(fptr, gx, gy, gz, bx, by, bz, shm, stream, argv, extra):
             self.driver.record(fptr, (gx, gy, gz), (bx, by, bz), stream, argv)
-            return self.driver.rc
+            return self.driver.rc or stray_blocks(fptr, argv)
 
-        self.callbacks = (self.CTX(ctx_get), self.PLAIN(plain), self.EX(self.driver.launch_ex))
+        def ex(config, fptr, argv, extra):
+            return self.driver.launch_ex(config, fptr, argv, extra) or stray_blocks(fptr, argv)
+
+        self.callbacks = (self.CTX(ctx_get), self.PLAIN(plain), self.EX(ex))
         fast, entry_fn, configure_fn = functions
         self.stream = types.SimpleNamespace(ptr=0xABC0)  # as cupy.cuda.get_current_stream's Stream
         # the functions the C++ path calls (kept here: tests count their references)
@@ -518,6 +530,8 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
               key(opts=("sbhd", False, 1, 0, None), arrays=(x(), f, None)),
               key(opts=(("sbhd",), False, 1, 0), arrays=(x(), f, None)),
               key(opts=("sbhd\0", False, 1, 0), arrays=(x(), f, None)),  # strings carry their lengths
+              key(opts=("sbhd/long-one", False, 1, 0), arrays=(x(), f, None)),  # and every character
+              key(opts=("sbhd/long-two", False, 1, 0), arrays=(x(), f, None)),
               key(opts=("bshd", False, 1, 0), arrays=(x(), f, None)),
               key(opts=("sbhd", False, 2, 0), arrays=(x(), f, None)),
               key(head=("rope", True), arrays=(x(), f, None)),
@@ -686,6 +700,32 @@ def test_failed_launches_raise_cupys_driver_error(monkeypatch, hit_path, pdl):
     assert len(dev.driver.blocks) == 3
 
 
+def test_cpp_path_raises_where_the_error_function_returns(monkeypatch, cupy_ext):
+    """A launch-error function that returns instead of raising: a refused launch on a C++ hit
+    raises RuntimeError with the CUresult itself, and the path keeps no reference to what the
+    function returned."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    returned, seen = object(), []
+
+    def returns(rc):
+        seen.append(rc)
+        return returned
+
+    monkeypatch.setattr(_launch, "raise_driver_error", returns)  # what configure hands the C++ path
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    f = dev.array((16, 1, 1, 32), np.float32)
+    x = dev.array((5, 2, 3, 32), np.float16)
+    cupy_rope.apply_rope(x, f)  # a miss: the Python path keeps the launch
+    dev.driver.rc = 700
+    hits, refs = _launch._STATS["hits"], sys.getrefcount(returned)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="kernel launch failed with CUresult 700"):
+            cupy_rope.apply_rope(x, f)
+    assert seen == [700] * 3 and sys.getrefcount(returned) == refs and _launch._STATS["hits"] == hits
+
+
 def test_cpp_functions_check_their_arguments(cupy_ext):
     """The C++ path's configure and entry refuse arguments of the wrong kind (nothing changes)."""
     cupy = pytest.importorskip("cupy")
@@ -816,7 +856,6 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
     memory flat over a thousand rounds), nor do calls it leaves to the Python path (another
     device's context current)."""
     import gc
-    import sys
     import tracemalloc
 
     import cupy_rope
@@ -889,7 +928,6 @@ def test_cpp_hits_from_several_threads(monkeypatch, cupy_ext):
     """Hits of every entry point from four threads at once (the C++ path runs Python, the
     allocator and the stream query, in the middle of a hit; another thread may then run, and
     empty the cache): every call returns its outputs, none raises."""
-    import sys
     import threading
 
     import cupy_rope
