@@ -661,6 +661,28 @@ def test_cpp_path_leaves_other_alignments_to_the_python_path(monkeypatch, cupy_e
     assert cupy_rope.apply_rope(x, f).data.ptr % 16 == 2 and _launch._STATS["hits"] == stats["hits"] + 1
 
 
+def test_cpp_path_leaves_outputs_like_a_missing_array(monkeypatch, cupy_ext):
+    """A kept entry whose output is allocated like an array the call does not hold (an absent
+    one, or an index at or past the call's arrays) is left to the Python path (the call's key
+    comes back): nothing allocated, nothing launched."""
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    fast, entry_fn = cupy_ext[0], cupy_ext[1]
+    arrays = (dev.array((4, 2, 3, 8), np.float16), dev.array((16, 8), np.float32), None)
+    key = fast({}, ("rope",), (), arrays, 0)
+    assert type(key) is bytes
+    for like in (2, 3, 4):
+        cap = entry_fn(1000, 1, 1, 128, False, bytes(16), (0,), ((1,),), ((like, (4, 2, 3, 8), 0, 0),), 222, 0)
+        allocated, launched = dev.next, len(dev.driver.launched)
+        assert fast({key: (None, None, cap)}, ("rope",), (), arrays, 0) == key
+        assert dev.next == allocated and len(dev.driver.launched) == launched
+    # the same entry with an output like the first array: a hit (the test's entry is sound)
+    dev.driver.block_bytes = lambda fptr: (16, 1)  # its one parameter block of two words
+    cap = entry_fn(1000, 1, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (4, 2, 3, 8), 0, 0),), 222, 0)
+    out = fast({key: (None, None, cap)}, ("rope",), (), arrays, 0)
+    assert type(out) is list and out[0].shape == (4, 2, 3, 8) and len(dev.driver.launched) == launched + 1
+
+
 def test_cpp_path_needs_a_stream_handle(monkeypatch, cupy_ext):
     """A current stream without a handle (``.ptr``) is an error, not a launch on stream 0."""
     import cupy_rope
