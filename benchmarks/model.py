@@ -488,8 +488,6 @@ def percall_rows(profile=None):
         _wall_us(lambda: driver.launchKernel(fptr, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(argv), 0), csync))
     # the library's Python launch (cupy_rope._launch.Prepared: libcuda through ctypes), plain and
     # programmatic: what the programmatic attribute costs the host per launch
-    from cupy_rope import _launch
-
     argv_addr = ctypes.addressof(argv)
     what = "launch: libcuda cuLaunchKernel through ctypes, prepared args"
     try:

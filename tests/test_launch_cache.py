@@ -893,9 +893,8 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
                 call(dev, cupy_rope)
 
     # shared objects: dtypes, the stream, the functions the C++ path is configured with
-    shared = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)] + [dev.stream]
-    if dev.stream_fn is not None:
-        shared += [dev.alloc_fn, dev.stream_fn, _launch.raise_driver_error]
+    shared = [np.dtype(t) for t in (np.float16, np.float32, np.int32, np.int64)] + [dev.stream, dev.alloc_fn,
+                                                                                    dev.stream_fn, _launch.raise_driver_error]
     class Device:  # the Python path's launch in another device's context
         def __init__(self, i):
             pass
