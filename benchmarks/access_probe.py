@@ -25,6 +25,12 @@ table once per call beats ``sincosf`` per thread (issue 14's lead):
   the prologue lets the main kernel start at once, and the main kernel loads its rows before it
   waits for the table).
 
+Added in the twenty-sixth session: ``rowsR_sincos, angles first`` (and ``both angles, angles
+first``): the same with the unit's angles loaded in 16-byte vectors before any ``sincosf``. The
+loop's per-pair loads wait for the previous pair's ``sincosf`` (the compiler does not hoist a load
+above its slow path's branches: one round trip to the table per pair, where these take one).
+A variant whose check fails is reported and not timed; the others still run.
+
     python benchmarks/access_probe.py [--tokens 8192 --heads 32 --d 128] [--json F]
     python benchmarks/access_probe.py --rope [--tokens 16384 --heads 8 --positions 8192 --pdiv 1]
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 SRC = r"""
 extern "C" __global__ void lin(const uint4* __restrict__ x, uint4* __restrict__ y, long long rows, int hu) {
@@ -214,17 +221,31 @@ __device__ __forceinline__ bool load_rows(const uint4* __restrict__ x, long long
   for (int j = 0; j < R; ++j) { a[j] = x[r.base + j * r.step]; b[j] = x[r.base + j * r.step + kUnits]; }
   return true;
 }
-template <int R, bool BOTH = false>
+// PRE: the unit's angles (first members; BOTH: second members too) loaded in 16-byte vectors before
+// any sincosf, one round trip to the table where the loop's loads take one per pair (the compiler
+// does not hoist a load above the previous pair's sincosf, whose slow path branches).
+template <int R, bool BOTH = false, bool PRE = false>
 __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, const float* __restrict__ f,
                           long long tok, int H, int pdiv, int S) {
   uint4 a[R], b[R];
   RowsOf r;
   if (!load_rows<R>(x, tok, H, a, b, r)) return;
   int pos = (int)((r.t / pdiv) % S);
+  float fa[8], ga[8];
+  if (PRE) {
+    const float4* q = reinterpret_cast<const float4*>(f + pos * PD + r.u * 8);
+    const float4* qg = reinterpret_cast<const float4*>(f + pos * PD + kHalf + r.u * 8);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float4 v = q[k];
+      fa[4*k] = v.x; fa[4*k+1] = v.y; fa[4*k+2] = v.z; fa[4*k+3] = v.w;
+      if (BOTH) { const float4 w = qg[k]; ga[4*k] = w.x; ga[4*k+1] = w.y; ga[4*k+2] = w.z; ga[4*k+3] = w.w; }
+    }
+  }
   if (BOTH) {  // one pair at a time in every row (the library's lean kernel's order and registers)
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float af = f[pos * PD + r.u * 8 + e], ag = f[pos * PD + kHalf + r.u * 8 + e];
+      const float af = PRE ? fa[e] : f[pos * PD + r.u * 8 + e], ag = PRE ? ga[e] : f[pos * PD + kHalf + r.u * 8 + e];
       float sf, cf, sg, cg;
       sincosf(af, &sf, &cf);
       sg = sf, cg = cf;
@@ -235,7 +256,7 @@ __device__ void rows_rope(const uint4* __restrict__ x, uint4* __restrict__ y, co
   } else {
     float cc[8], ss[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sincosf(f[pos * PD + r.u * 8 + e], &ss[e], &cc[e]);
+    for (int e = 0; e < 8; ++e) sincosf(PRE ? fa[e] : f[pos * PD + r.u * 8 + e], &ss[e], &cc[e]);
 #pragma unroll
     for (int j = 0; j < R; ++j) { rot8(a[j], b[j], cc, ss, cc, ss); y[r.base + j * r.step] = a[j]; y[r.base + j * r.step + kUnits] = b[j]; }
     return;
@@ -294,6 +315,10 @@ extern "C" __global__ void rows4(const uint4* x, uint4* y, const float* f, long 
 extern "C" __global__ void rows8(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<8>(x, y, f, tok, H, pdiv, S); }
 extern "C" __global__ void rows2_both(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2, true>(x, y, f, tok, H, pdiv, S); }
 extern "C" __global__ void rows4_both(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4, true>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows2_pre(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2, false, true>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows4_pre(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4, false, true>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows2_both_pre(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<2, true, true>(x, y, f, tok, H, pdiv, S); }
+extern "C" __global__ void rows4_both_pre(const uint4* x, uint4* y, const float* f, long long tok, int H, int pdiv, int S) { rows_rope<4, true, true>(x, y, f, tok, H, pdiv, S); }
 """
 
 
@@ -406,10 +431,12 @@ def main(argv=None):
                 variants[f"rows{R}_sincos"] = (lambda R=R: mod.get_function(f"rows{R}")(
                     ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
                 check.add(f"rows{R}_sincos")
-                if R in (2, 4):  # the same with both angles of each pair loaded and compared
-                    variants[f"rows{R}_sincos, both angles"] = (lambda R=R: mod.get_function(f"rows{R}_both")(
-                        ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
-                    check.add(f"rows{R}_sincos, both angles")
+                if R in (2, 4):  # both angles of each pair loaded and compared; the angles loaded first
+                    for suffix, label in (("_both", ", both angles"), ("_pre", ", angles first"),
+                                          ("_both_pre", ", both angles, angles first")):
+                        variants[f"rows{R}_sincos{label}"] = (lambda R=R, suffix=suffix: mod.get_function(f"rows{R}{suffix}")(
+                            ((rows * hu // R + 255) // 256,), (256,), (x, y, f, i64(tok), i32(heads), i32(pdiv), i32(S))))
+                        check.add(f"rows{R}_sincos{label}")
         variants["cs_table + lin_cs"] = lambda: (cs_fn(), variants["lin_cs"]())
         check.add("cs_table + lin_cs")
         # cos/sin tables made per call (W values per pair), then R rows per thread reading them:
@@ -452,6 +479,7 @@ def main(argv=None):
     stream = cp.cuda.Stream(non_blocking=True)
     out = {}
     graphs = {}
+    wrong = {}  # variant -> what its check found
     with stream:
         if a.rope:
             ts = torch.cuda.ExternalStream(stream.ptr)
@@ -463,9 +491,12 @@ def main(argv=None):
                 got = (y.astype(cp.uint32) << 16).view(cp.float32).reshape(tok, heads, d)
                 err = float(cp.abs(got - ref).max() / cp.abs(ref).max())
                 if err > 2 ** -7:
-                    raise SystemExit(f"{name}: wrong rotation, max rel err {err}")
+                    wrong[name] = f"wrong rotation, max rel err {err}"
             elif not name.startswith("cs") and not bool((y == x).all()):
-                raise SystemExit(f"{name}: wrong copy")
+                wrong[name] = "wrong copy"
+            if name in wrong:  # reported, not timed: the other variants still run
+                print(f"{name}: {wrong[name]}", file=sys.stderr)
+                continue
             stream.begin_capture()
             for _ in range(a.reps):
                 fn()
@@ -487,7 +518,10 @@ def main(argv=None):
         print(f"{name:48s} {us:8.2f} us  {nbytes / us / 1e6:5.2f} TB/s  {100 * base / us:5.1f}% of memcpy")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": [tok, heads, d], "reps": a.reps, "rounds": a.rounds, "rows": res}, f, indent=1)
+            json.dump({"shape": [tok, heads, d], "reps": a.reps, "rounds": a.rounds, "rows": res, "wrong": wrong}, f,
+                      indent=1)
+    if wrong:
+        raise SystemExit(f"{len(wrong)} variant(s) gave wrong results: {', '.join(wrong)}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // by the torch and CuPy C++ paths: what the call's validation depends on beyond the descriptors.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -33,17 +34,22 @@ inline bool meet(const ByteRange& a, const ByteRange& b) {
 // Appends to `key` whether a written array (the first `written` of `arrays`, whose bytes are
 // bytes(arrays[i])) spans bytes of a read-only one (the call is refused then), and, when the spans
 // of two written arrays meet, their relative address (whether they share an element depends on
-// it; disjoint spans never do).
+// it; disjoint spans never do). `written` is 0, 1 or 2 (the CuPy entry refuses more; the torch
+// ops write q and k); each array's bytes are computed once.
 template <class Key, class Arrays, class Bytes>
 void push_overlaps(Key& key, const Arrays& arrays, size_t written, Bytes bytes) {
-  const size_t n = arrays.size();
+  const size_t n = arrays.size(), nw = std::min({written, n, size_t{2}});  // the written arrays held
+  ByteRange w[2];
+  for (size_t i = 0; i < nw; ++i) w[i] = bytes(arrays[i]);
   bool ro = false;
-  for (size_t w = 0; w < written && w < n; ++w)
-    for (size_t r = written; r < n; ++r) ro = ro || meet(bytes(arrays[w]), bytes(arrays[r]));
+  for (size_t r = written; r < n && !ro; ++r) {
+    const ByteRange b = bytes(arrays[r]);
+    for (size_t i = 0; i < nw; ++i) ro = ro || meet(w[i], b);
+  }
   key.push_back(ro);
-  const bool both = written == 2 && n >= 2 && meet(bytes(arrays[0]), bytes(arrays[1]));
+  const bool both = written == 2 && n >= 2 && meet(w[0], w[1]);
   key.push_back(both);
-  key.push_back(both ? bytes(arrays[1]).lo - bytes(arrays[0]).lo : 0);
+  key.push_back(both ? w[1].lo - w[0].lo : 0);
 }
 
 }  // namespace cupy_rope
