@@ -33,6 +33,24 @@ if [[ $MODE == *sanitize* ]] && command -v compute-sanitizer >/dev/null; then
       | grep -E "^fuzz|ERROR SUMMARY|FAIL seed|Invalid" | head -8
   done
 fi
+if [[ $MODE == *probe* ]]; then
+  # benchmarks/access_probe.py --rope on the suite's rows 1, 2 and 7 (sbhd; bshd 8 heads; d 80)
+  for n in 1 2 7; do
+    case $n in 1) args="";; 2) args="--tokens 16384 --heads 8 --positions 8192 --pdiv 1";; 7) args="--d 80";; esac
+    echo "== probe row $n"
+    timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/access_probe.py --rope $args --json "$OUT/probe_row$n.json" 2>&1 | tail -45
+  done
+fi
+if [[ $MODE == *techeck* ]]; then
+  # TransformerEngine's own RoPE test file against cupy_rope.te: a local harness in .te_check/ (not
+  # in git: TE's code; pass it with the device call's carry; benchmarks/NOTES.md says how it is made)
+  if [ -f .te_check/test_fused_rope.py ]; then
+    PYTHONPATH=$PWD/.te_check:$PWD${PYTHONPATH:+:$PYTHONPATH} timeout ${TE_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+      .te_check/test_fused_rope.py 2>&1 | tee "$OUT/te_test_fused_rope.log" | tail -3
+  else
+    echo "techeck: no .te_check/test_fused_rope.py (carry it)"
+  fi
+fi
 for v in "$@"; do
   name=${v%%:*}; envs=${v#*:}
   echo "== variant $name ($envs)"

@@ -748,6 +748,44 @@ def test_cpp_path_raises_where_the_error_function_returns(monkeypatch, cupy_ext)
     assert seen == [700] * 3 and sys.getrefcount(returned) == refs and _launch._STATS["hits"] == hits
 
 
+def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
+    """A C++ hit whose allocator raises, or whose transposed output's ``transpose`` raises,
+    raises that error and launches nothing; once both work again, the same calls hit."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    f = dev.array((16, 1, 1, 32), np.float32)
+    x = dev.array((5, 2, 3, 32), np.float16)
+    calls = (lambda: cupy_rope.apply_rope(x, f), lambda: cupy_rope.apply_rope(x, f, transpose_output_memory=True))
+    for call in calls:
+        call()  # a miss: the Python path keeps the launch
+    hits, n = _launch._STATS["hits"], len(dev.driver.blocks)
+    array = dev.array
+
+    def pool_empty(shape, dtype, offset=0):
+        raise MemoryError("fake pool empty")
+
+    class NoTranspose(cupy.ndarray):
+        def transpose(self, *axes):
+            raise RuntimeError("fake transpose refused")
+
+    def no_transpose(shape, dtype, offset=0):
+        y = array(shape, dtype, offset)
+        return NoTranspose(y.shape, y.dtype, y.data)
+
+    for make, call, error in ((pool_empty, calls[0], MemoryError), (pool_empty, calls[1], MemoryError),
+                              (no_transpose, calls[1], RuntimeError)):
+        monkeypatch.setattr(dev, "array", make)
+        with pytest.raises(error, match="fake"):
+            call()
+        assert len(dev.driver.blocks) == n and _launch._STATS["hits"] == hits
+    monkeypatch.setattr(dev, "array", array)
+    for call in calls:
+        call()
+    assert len(dev.driver.blocks) == n + 2 and _launch._STATS["hits"] == hits + 2
+
+
 def test_cpp_functions_check_their_arguments(cupy_ext):
     """The C++ path's configure and entry refuse arguments of the wrong kind (nothing changes)."""
     cupy = pytest.importorskip("cupy")
