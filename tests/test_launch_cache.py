@@ -913,8 +913,8 @@ def test_every_entry_point_hits_with_the_block_a_fresh_plan_makes(monkeypatch, h
 
 def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
     """Hits of every entry point through the C++ path leave no Python object behind (traced
-    memory flat over a thousand rounds), nor do calls it leaves to the Python path (another
-    device's context current)."""
+    memory flat over a thousand rounds) and no reference to the shared objects or the cached
+    entries, nor do calls it leaves to the Python path (another device's context current)."""
     import gc
     import tracemalloc
 
@@ -949,7 +949,8 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
         rounds(20)
         hits = _launch._STATS["hits"]
         gc.collect()
-        refs = [sys.getrefcount(t) for t in shared]
+        entries = [e[2] for e in _launch._CACHE.values() if e[2] is not None]  # the C++ entries (capsules)
+        refs = [sys.getrefcount(t) for t in shared + entries]
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
@@ -960,7 +961,7 @@ def test_cpp_hits_leak_nothing(monkeypatch, cupy_ext):
             tracemalloc.stop()
         assert _launch._STATS["hits"] == hits + 1000 * len(calls)
         assert grown < 16 * 1024, f"{grown} bytes more after {1000 * len(calls)} hits (context {ctx})"
-        assert [sys.getrefcount(t) for t in shared] == refs
+        assert [sys.getrefcount(t) for t in shared + entries] == refs
     # the C++ path keeps a reference to each dtype object it has keyed (its address stays its
     # own); arrays of ever new dtype objects: those references are a bounded cache
     fast = cupy_ext[0]
