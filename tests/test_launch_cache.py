@@ -749,8 +749,9 @@ def test_cpp_path_raises_where_the_error_function_returns(monkeypatch, cupy_ext)
 
 
 def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
-    """A C++ hit whose allocator raises, or whose transposed output's ``transpose`` raises,
-    raises that error and launches nothing; once both work again, the same calls hit."""
+    """A C++ hit whose allocator raises or returns an object without an address, or whose
+    transposed output's ``transpose`` raises, raises an error and launches nothing, keeping no
+    reference to what the allocator returned; once both work again, the same calls hit."""
     import cupy_rope
 
     cupy = pytest.importorskip("cupy")
@@ -774,12 +775,19 @@ def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
         y = array(shape, dtype, offset)
         return NoTranspose(y.shape, y.dtype, y.data)
 
+    class Nowhere:  # no .data.ptr
+        data = types.SimpleNamespace(ptr="fake address")
+
+    nowhere = Nowhere()
     for make, call, error in ((pool_empty, calls[0], MemoryError), (pool_empty, calls[1], MemoryError),
-                              (no_transpose, calls[1], RuntimeError)):
+                              (no_transpose, calls[1], RuntimeError), (lambda *a: nowhere, calls[0], RuntimeError),
+                              (lambda *a: nowhere, calls[1], RuntimeError)):
         monkeypatch.setattr(dev, "array", make)
-        with pytest.raises(error, match="fake"):
+        refs = sys.getrefcount(nowhere)
+        with pytest.raises(error, match="fake|without an address"):
             call()
         assert len(dev.driver.blocks) == n and _launch._STATS["hits"] == hits
+        assert sys.getrefcount(nowhere) == refs
     monkeypatch.setattr(dev, "array", array)
     for call in calls:
         call()
