@@ -49,7 +49,8 @@ def qkv_case(i, layout, g, n, d):
         return rng.uniform(-10, 10, shape).astype(np.float32)
 
     qf = table((rows, 1, 1, d2) if pick((True, False)) else (rows, d2))
-    kf = qf if pick((True, False)) else table((rows + 1, d2) if pick((True, False)) else (rows + 1, 1, 1, d2))
+    # k's own table: longer, or of q's very shape (another table that q's descriptor would match)
+    kf = qf if pick((True, False)) else table(pick(((rows + 1, d2), (rows + 1, 1, 1, d2), qf.shape)))
     mode = pick(("contiguous", "permuted", "offset", "channel_stride"))
     qkv = strided(lead + (g, (n + 2) * d), dtype, rng, mode)
     return dtype, qkv, qf, kf, kw

@@ -683,6 +683,25 @@ def test_cpp_path_leaves_outputs_like_a_missing_array(monkeypatch, cupy_ext):
     assert type(out) is list and out[0].shape == (4, 2, 3, 8) and len(dev.driver.launched) == launched + 1
 
 
+def test_cpp_path_leaves_entries_without_a_cpp_entry(monkeypatch, cupy_ext):
+    """A kept value under the call's key that holds no C++ entry (too short a tuple, None, an
+    object that is not the library's capsule, a capsule of another name) is left to the Python
+    path (the call's key comes back): nothing allocated, nothing launched."""
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    fast = cupy_ext[0]
+    arrays = (dev.array((4, 2, 3, 8), np.float16), dev.array((16, 8), np.float32), None)
+    key = fast({}, ("rope",), (), arrays, 0)
+    assert type(key) is bytes
+    other = ctypes.pythonapi.PyCapsule_New
+    other.restype, other.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    for kept in ((None, None), (None, None, None), (None, None, object()), [None, None, None],
+                 (None, None, other(id(dev), b"not.cupy_rope", None))):
+        allocated, launched = dev.next, len(dev.driver.launched)
+        assert fast({key: kept}, ("rope",), (), arrays, 0) == key
+        assert dev.next == allocated and len(dev.driver.launched) == launched
+
+
 def test_cpp_path_needs_a_stream_handle(monkeypatch, cupy_ext):
     """A current stream without a handle (``.ptr``) is an error, not a launch on stream 0."""
     import cupy_rope
