@@ -681,6 +681,13 @@ def test_cpp_path_leaves_outputs_like_a_missing_array(monkeypatch, cupy_ext):
     cap = entry_fn(1000, 1, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (4, 2, 3, 8), 0, 0),), 222, 0)
     out = fast({key: (None, None, cap)}, ("rope",), (), arrays, 0)
     assert type(out) is list and out[0].shape == (4, 2, 3, 8) and len(dev.driver.launched) == launched + 1
+    assert int.from_bytes(dev.driver.blocks[-1][8:], "little") == arrays[0].data.ptr  # word 1: the first address
+    # an entry with fewer slot lists than the call's addresses patches those it has, and no more
+    for slots in ((), ((1,),)):
+        cap = entry_fn(1000, 1, 1, 128, False, bytes(range(16)), (0,), slots, ((0, (4, 2, 3, 8), 0, 0),), 222, 0)
+        assert type(fast({key: (None, None, cap)}, ("rope",), (), arrays, 0)) is list
+        assert dev.driver.blocks[-1] == bytes(range(8)) + (bytes(range(8, 16)) if not slots else
+                                                           arrays[0].data.ptr.to_bytes(8, "little"))
 
 
 def test_cpp_path_leaves_entries_without_a_cpp_entry(monkeypatch, cupy_ext):
