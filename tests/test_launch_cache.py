@@ -661,33 +661,50 @@ def test_cpp_path_leaves_other_alignments_to_the_python_path(monkeypatch, cupy_e
     assert cupy_rope.apply_rope(x, f).data.ptr % 16 == 2 and _launch._STATS["hits"] == stats["hits"] + 1
 
 
+class KeptCall:
+    """A rope call's arrays on the fake device and its C++ key, for tests that hand the C++
+    path's ``fast`` kept values of their own: ``entry(...)`` makes a C++ entry (kernel 1000, one
+    block of two words, one output like array ``like``), ``left(kept)`` asserts that the call is
+    left to the Python path (its key comes back, nothing allocated or launched)."""
+
+    def __init__(self, dev, cupy_ext):
+        self.dev, (self.fast, self.entry_fn) = dev, cupy_ext[:2]
+        self.arrays = (dev.array((4, 2, 3, 8), np.float16), dev.array((16, 8), np.float32), None)
+        self.key = self.call({})
+        assert type(self.key) is bytes
+
+    def call(self, cache):
+        return self.fast(cache, ("rope",), (), self.arrays, 0)
+
+    def entry(self, like=0, params=bytes(16), slots=((1,),)):
+        return self.entry_fn(1000, 1, 1, 128, False, params, (0,), slots, ((like, (4, 2, 3, 8), 0, 0),), 222, 0)
+
+    def left(self, kept):
+        allocated, launched = self.dev.next, len(self.dev.driver.launched)
+        assert self.call({self.key: kept}) == self.key
+        assert self.dev.next == allocated and len(self.dev.driver.launched) == launched
+
+
 def test_cpp_path_leaves_outputs_like_a_missing_array(monkeypatch, cupy_ext):
     """A kept entry whose output is allocated like an array the call does not hold (an absent
     one, or an index at or past the call's arrays) is left to the Python path (the call's key
     comes back): nothing allocated, nothing launched."""
     cupy = pytest.importorskip("cupy")
     dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
-    fast, entry_fn = cupy_ext[0], cupy_ext[1]
-    arrays = (dev.array((4, 2, 3, 8), np.float16), dev.array((16, 8), np.float32), None)
-    key = fast({}, ("rope",), (), arrays, 0)
-    assert type(key) is bytes
+    c = KeptCall(dev, cupy_ext)
     for like in (2, 3, 4):
-        cap = entry_fn(1000, 1, 1, 128, False, bytes(16), (0,), ((1,),), ((like, (4, 2, 3, 8), 0, 0),), 222, 0)
-        allocated, launched = dev.next, len(dev.driver.launched)
-        assert fast({key: (None, None, cap)}, ("rope",), (), arrays, 0) == key
-        assert dev.next == allocated and len(dev.driver.launched) == launched
+        c.left((None, None, c.entry(like)))
     # the same entry with an output like the first array: a hit (the test's entry is sound)
     dev.driver.block_bytes = lambda fptr: (16, 1)  # its one parameter block of two words
-    cap = entry_fn(1000, 1, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (4, 2, 3, 8), 0, 0),), 222, 0)
-    out = fast({key: (None, None, cap)}, ("rope",), (), arrays, 0)
+    launched = len(dev.driver.launched)
+    out = c.call({c.key: (None, None, c.entry())})
     assert type(out) is list and out[0].shape == (4, 2, 3, 8) and len(dev.driver.launched) == launched + 1
-    assert int.from_bytes(dev.driver.blocks[-1][8:], "little") == arrays[0].data.ptr  # word 1: the first address
+    first = c.arrays[0].data.ptr.to_bytes(8, "little")
+    assert dev.driver.blocks[-1][8:] == first  # word 1: the first address
     # an entry with fewer slot lists than the call's addresses patches those it has, and no more
     for slots in ((), ((1,),)):
-        cap = entry_fn(1000, 1, 1, 128, False, bytes(range(16)), (0,), slots, ((0, (4, 2, 3, 8), 0, 0),), 222, 0)
-        assert type(fast({key: (None, None, cap)}, ("rope",), (), arrays, 0)) is list
-        assert dev.driver.blocks[-1] == bytes(range(8)) + (bytes(range(8, 16)) if not slots else
-                                                           arrays[0].data.ptr.to_bytes(8, "little"))
+        assert type(c.call({c.key: (None, None, c.entry(params=bytes(range(16)), slots=slots))})) is list
+        assert dev.driver.blocks[-1] == bytes(range(8)) + (first if slots else bytes(range(8, 16)))
 
 
 def test_cpp_path_leaves_entries_without_a_cpp_entry(monkeypatch, cupy_ext):
@@ -696,17 +713,12 @@ def test_cpp_path_leaves_entries_without_a_cpp_entry(monkeypatch, cupy_ext):
     path (the call's key comes back): nothing allocated, nothing launched."""
     cupy = pytest.importorskip("cupy")
     dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
-    fast = cupy_ext[0]
-    arrays = (dev.array((4, 2, 3, 8), np.float16), dev.array((16, 8), np.float32), None)
-    key = fast({}, ("rope",), (), arrays, 0)
-    assert type(key) is bytes
-    other = ctypes.pythonapi.PyCapsule_New
-    other.restype, other.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    c = KeptCall(dev, cupy_ext)
+    capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+        ("PyCapsule_New", ctypes.pythonapi))
     for kept in ((None, None), (None, None, None), (None, None, object()), [None, None, None],
-                 (None, None, other(id(dev), b"not.cupy_rope", None))):
-        allocated, launched = dev.next, len(dev.driver.launched)
-        assert fast({key: kept}, ("rope",), (), arrays, 0) == key
-        assert dev.next == allocated and len(dev.driver.launched) == launched
+                 (None, None, capsule(id(dev), b"not.cupy_rope", None))):
+        c.left(kept)
 
 
 def test_cpp_path_needs_a_stream_handle(monkeypatch, cupy_ext):
