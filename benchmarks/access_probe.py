@@ -29,7 +29,8 @@ Added in the twenty-sixth session: ``rowsR_sincos, angles first`` (and ``both an
 first``): the same with the unit's angles loaded in 16-byte vectors before any ``sincosf``. The
 loop's per-pair loads wait for the previous pair's ``sincosf`` (the compiler does not hoist a load
 above its slow path's branches: one round trip to the table per pair, where these take one).
-A variant whose check fails is reported and not timed; the others still run.
+On an H100 neither this nor the cos/sin-table variants beat ``rowsR_sincos`` (NOTES.md,
+twenty-sixth session). A variant whose check fails is reported and not timed; the others still run.
 
     python benchmarks/access_probe.py [--tokens 8192 --heads 32 --d 128] [--json F]
     python benchmarks/access_probe.py --rope [--tokens 16384 --heads 8 --positions 8192 --pdiv 1]
