@@ -391,10 +391,13 @@ class FakeCupyDevice:
         self.stream = types.SimpleNamespace(ptr=0xABC0)  # as cupy.cuda.get_current_stream's Stream
         # the functions the C++ path calls (kept here: tests count their references)
         self.alloc_fn = lambda shape, dtype: self.array(shape, dtype, self.misalign)
-        self.stream_fn = lambda dev: self.stream
+        self.stream_fn = lambda dev: self.current_stream(dev)
         _cupy_ext.configure(configure_fn, alloc=self.alloc_fn, stream=self.stream_fn,
                             driver=[ctypes.cast(c, ctypes.c_void_p).value for c in self.callbacks])
         monkeypatch.setattr(_launch, "CUPY_EXT", (fast, functools.partial(_cupy_ext.entry, entry_fn)))
+
+    def current_stream(self, dev):
+        return self.stream
 
     def array(self, shape, dtype, offset=0):
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -787,9 +790,10 @@ def test_cpp_path_raises_where_the_error_function_returns(monkeypatch, cupy_ext)
 
 
 def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
-    """A C++ hit whose allocator raises or returns an object without an address, or whose
-    transposed output's ``transpose`` raises, raises an error and launches nothing, keeping no
-    reference to what the allocator returned; once both work again, the same calls hit."""
+    """A C++ hit whose allocator raises or returns an object without an address (no ``data``, or
+    a ``data`` without an integer ``ptr``), whose transposed output's ``transpose`` raises, or whose
+    current-stream query raises, raises that error and launches nothing, keeping no reference to
+    what the allocator returned; once all work again, the same calls hit."""
     import cupy_rope
 
     cupy = pytest.importorskip("cupy")
@@ -813,20 +817,31 @@ def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
         y = array(shape, dtype, offset)
         return NoTranspose(y.shape, y.dtype, y.data)
 
-    class Nowhere:  # no .data.ptr
+    class Nowhere:  # no integer .data.ptr
         data = types.SimpleNamespace(ptr="fake address")
 
-    nowhere = Nowhere()
-    for make, call, error in ((pool_empty, calls[0], MemoryError), (pool_empty, calls[1], MemoryError),
-                              (no_transpose, calls[1], RuntimeError), (lambda *a: nowhere, calls[0], RuntimeError),
-                              (lambda *a: nowhere, calls[1], RuntimeError)):
-        monkeypatch.setattr(dev, "array", make)
-        refs = sys.getrefcount(nowhere)
-        with pytest.raises(error, match="fake|without an address"):
+    class Dataless:  # no .data
+        pass
+
+    def no_stream(device):
+        raise RuntimeError("fake stream query failed")
+
+    nowhere, dataless, stream_query = Nowhere(), Dataless(), dev.current_stream
+    for attr, value, call, error, match in (
+            ("array", pool_empty, calls[0], MemoryError, "fake"), ("array", pool_empty, calls[1], MemoryError, "fake"),
+            ("array", no_transpose, calls[1], RuntimeError, "fake"),
+            ("array", lambda *a: nowhere, calls[0], RuntimeError, "without an address"),
+            ("array", lambda *a: nowhere, calls[1], RuntimeError, "without an address"),
+            ("array", lambda *a: dataless, calls[0], AttributeError, "data"),
+            ("current_stream", no_stream, calls[0], RuntimeError, "fake stream")):
+        monkeypatch.setattr(dev, attr, value)
+        refs = sys.getrefcount(nowhere), sys.getrefcount(dataless)
+        with pytest.raises(error, match=match):
             call()
         assert len(dev.driver.blocks) == n and _launch._STATS["hits"] == hits
-        assert sys.getrefcount(nowhere) == refs
-    monkeypatch.setattr(dev, "array", array)
+        assert (sys.getrefcount(nowhere), sys.getrefcount(dataless)) == refs
+        monkeypatch.setattr(dev, "array", array)
+        monkeypatch.setattr(dev, "current_stream", stream_query)
     for call in calls:
         call()
     assert len(dev.driver.blocks) == n + 2 and _launch._STATS["hits"] == hits + 2

@@ -34,8 +34,9 @@ inline bool meet(const ByteRange& a, const ByteRange& b) {
 // Appends to `key` whether a written array (the first `written` of `arrays`, whose bytes are
 // bytes(arrays[i])) spans bytes of a read-only one (the call is refused then), and, when the spans
 // of two written arrays meet, their relative address (whether they share an element depends on
-// it; disjoint spans never do). `written` is 0, 1 or 2 (the CuPy entry refuses more; the torch
-// ops write q and k); each array's bytes are computed once.
+// it; disjoint spans never do). `written` is 0, 1 or 2, at most the arrays' count (the CuPy entry
+// refuses others; the torch ops write q and k): at most two written arrays are held, whatever a
+// caller passes. Each array's bytes are computed once.
 template <class Key, class Arrays, class Bytes>
 void push_overlaps(Key& key, const Arrays& arrays, size_t written, Bytes bytes) {
   const size_t n = arrays.size(), nw = std::min({written, n, size_t{2}});  // the written arrays held
@@ -47,7 +48,7 @@ void push_overlaps(Key& key, const Arrays& arrays, size_t written, Bytes bytes) 
     for (size_t i = 0; i < nw; ++i) ro = ro || meet(w[i], b);
   }
   key.push_back(ro);
-  const bool both = written == 2 && n >= 2 && meet(w[0], w[1]);
+  const bool both = nw == 2 && meet(w[0], w[1]);  // written == 2 (as above)
   key.push_back(both);
   key.push_back(both ? w[1].lo - w[0].lo : 0);
 }
