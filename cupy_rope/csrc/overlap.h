@@ -48,7 +48,7 @@ void push_overlaps(Key& key, const Arrays& arrays, size_t written, Bytes bytes) 
     for (size_t i = 0; i < nw; ++i) ro = ro || meet(w[i], b);
   }
   key.push_back(ro);
-  const bool both = nw == 2 && meet(w[0], w[1]);  // written == 2 (as above)
+  const bool both = nw == 2 && meet(w[0], w[1]);  // two written arrays held: written == 2
   key.push_back(both);
   key.push_back(both ? w[1].lo - w[0].lo : 0);
 }
