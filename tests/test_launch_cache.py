@@ -890,6 +890,24 @@ def test_in_place_calls_with_a_numpy_bool_are_validated_every_time(monkeypatch, 
         call(same, same)
 
 
+def test_options_are_keyed_in_their_places(monkeypatch, hit_path):
+    """Each option is keyed where it stands, None included: after a packed-QKV call given
+    ``num_q_heads=8`` is cached, a call that gives 8 as ``split`` instead (refused: a split is
+    three ints) is validated, not served from the first call's launch."""
+    import cupy_rope
+
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, hit_path)
+    f = dev.array((16, 32), np.float32)
+    for _ in range(2):
+        cupy_rope.apply_qkv_rope(dev.array((5, 2, 2, 6 * 32), np.float16), f, f, num_q_heads=8)
+    hits, n = _launch._STATS["hits"], len(dev.driver.blocks)
+    assert hits >= 1
+    with pytest.raises(TypeError, match="`split`: expected three ints"):
+        cupy_rope.apply_qkv_rope(dev.array((5, 2, 2, 6 * 32), np.float16), f, f, split=8)
+    assert len(dev.driver.blocks) == n and _launch._STATS["hits"] == hits
+
+
 def _views(dev, shape, dtype, perm=None):
     """A fresh fake CuPy array of ``shape``; ``perm``: laid out in that axis order in memory."""
     if perm is None:
