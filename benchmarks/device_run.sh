@@ -41,6 +41,11 @@ if [[ $MODE == *probe* ]]; then
     timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/access_probe.py --rope $args --json "$OUT/probe_row$n.json" 2>&1 | tail -45
   done
 fi
+if [[ $MODE == *leanrows* ]]; then
+  # the lean kernel's rows per thread: 4 (main) against 2, interleaved (NOTES.md, twenty-seventh
+  # session: 2 won on an H100's lean rows, 4 on the H200's in the eighteenth session)
+  ROUNDS=${ROUNDS:-2} ROWS=${ROWS:-1,3,6,7,8} bash benchmarks/ab_defines.sh "base:" "r2:DEFINES=-DCUPY_ROPE_LEAN_ROWS=2"
+fi
 if [[ $MODE == *techeck* ]]; then
   # TransformerEngine's own RoPE test file against cupy_rope.te: a local harness in .te_check/ (not
   # in git: TE's code; pass it with the device call's carry; benchmarks/NOTES.md says how it is made)

@@ -865,6 +865,22 @@ def test_cpp_functions_check_their_arguments(cupy_ext):
             entry_fn(*good[:i], bad, *good[i + 1:])
 
 
+def test_cpp_entries_release_what_they_hold(cupy_ext):
+    """An entry capsule holds one reference to each output's shape and releases it when it is
+    dropped (its destructor deletes the entry); an entry refused after taking its first output
+    releases that output's shape too."""
+    entry_fn = cupy_ext[1]
+    shape = tuple(range(2, 5))  # an object of this test's own
+    before = sys.getrefcount(shape)
+    cap = entry_fn(1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, shape, 0, 0),), 0, 0)
+    assert sys.getrefcount(shape) == before + 1
+    del cap
+    assert sys.getrefcount(shape) == before
+    with pytest.raises(ValueError, match="malformed"):
+        entry_fn(1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, shape, 0, 0), (0, shape, 0)), 0, 0)
+    assert sys.getrefcount(shape) == before
+
+
 @pytest.mark.parametrize("entry", ["qk", "pos"])
 def test_in_place_calls_with_a_numpy_bool_are_validated_every_time(monkeypatch, hit_path, entry):
     """``inplace`` given as a NumPy bool (accepted as a bool) is not cached: whether an in-place
