@@ -865,6 +865,19 @@ def test_cpp_functions_check_their_arguments(cupy_ext):
             entry_fn(*good[:i], bad, *good[i + 1:])
 
 
+def test_cpp_configure_releases_what_it_replaces(cupy_ext):
+    """configure holds one reference to each object it is given (the array type, the allocator,
+    the stream query, the error function) and releases them when configured again."""
+    cupy = pytest.importorskip("cupy")
+    configure_fn = cupy_ext[2]
+    held = [type("FakeArray", (), {})] + [lambda *a: None for _ in range(3)]  # objects of this test's own
+    before = [sys.getrefcount(o) for o in held]
+    configure_fn(*held, 0, 0, 0)
+    assert [sys.getrefcount(o) for o in held] == [b + 1 for b in before]
+    configure_fn(cupy.ndarray, cupy.ndarray, cupy.cuda.get_current_stream, _launch.raise_driver_error, 0, 0, 0)
+    assert [sys.getrefcount(o) for o in held] == before
+
+
 def test_cpp_entries_release_what_they_hold(cupy_ext):
     """An entry capsule holds one reference to each output's shape and releases it when it is
     dropped (its destructor deletes the entry); an entry refused after taking its first output
