@@ -847,6 +847,11 @@ def test_cpp_path_raises_where_an_output_cannot_be_made(monkeypatch, cupy_ext):
     assert len(dev.driver.blocks) == n + 2 and _launch._STATS["hits"] == hits + 2
 
 
+# A well-formed argument list of the C++ entry function (kernel 1, grid 2 x 1, blocks of 128, no
+# PDL, one block of two words, address 0 in word 1, one output like array 0 of shape (2, 3)).
+ENTRY_ARGS = (1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (2, 3), 0, 0),), 0, 0)
+
+
 def test_cpp_functions_check_their_arguments(cupy_ext):
     """The C++ path's configure and entry refuse arguments of the wrong kind (nothing changes)."""
     cupy = pytest.importorskip("cupy")
@@ -856,7 +861,7 @@ def test_cpp_functions_check_their_arguments(cupy_ext):
         with pytest.raises(TypeError, match="configure: expected"):
             configure_fn(*ok[:i], bad, *ok[i + 1:])
     configure_fn(*ok)
-    good = (1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, (2, 3), 0, 0),), 0, 0)
+    good = ENTRY_ARGS
     assert type(entry_fn(*good)).__name__ == "PyCapsule"
     for i, bad, exc in ((5, bytes(12), ValueError), (6, (0, 5), ValueError), (6, [0], TypeError),
                         (7, ((2,),), ValueError), (7, ((1.0,),), TypeError), (8, ((0, [2, 3], 0, 0),), ValueError),
@@ -885,12 +890,12 @@ def test_cpp_entries_release_what_they_hold(cupy_ext):
     entry_fn = cupy_ext[1]
     shape = tuple(range(2, 5))  # an object of this test's own
     before = sys.getrefcount(shape)
-    cap = entry_fn(1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, shape, 0, 0),), 0, 0)
+    cap = entry_fn(*ENTRY_ARGS[:8], ((0, shape, 0, 0),), *ENTRY_ARGS[9:])
     assert sys.getrefcount(shape) == before + 1
     del cap
     assert sys.getrefcount(shape) == before
-    with pytest.raises(ValueError, match="malformed"):
-        entry_fn(1, 2, 1, 128, False, bytes(16), (0,), ((1,),), ((0, shape, 0, 0), (0, shape, 0)), 0, 0)
+    with pytest.raises(ValueError, match="malformed"):  # the second output has three fields
+        entry_fn(*ENTRY_ARGS[:8], ((0, shape, 0, 0), (0, shape, 0)), *ENTRY_ARGS[9:])
     assert sys.getrefcount(shape) == before
 
 
@@ -928,10 +933,11 @@ def test_options_are_keyed_in_their_places(monkeypatch, hit_path):
     cupy = pytest.importorskip("cupy")
     dev = FakeCupyDevice(monkeypatch, cupy, hit_path)
     f = dev.array((16, 32), np.float32)
-    for _ in range(2):
+    start = _launch._STATS["hits"]
+    for _ in range(2):  # a miss, then a hit
         cupy_rope.apply_qkv_rope(dev.array((5, 2, 2, 6 * 32), np.float16), f, f, num_q_heads=8)
     hits, n = _launch._STATS["hits"], len(dev.driver.blocks)
-    assert hits >= 1
+    assert hits == start + 1
     with pytest.raises(TypeError, match="`split`: expected three ints"):
         cupy_rope.apply_qkv_rope(dev.array((5, 2, 2, 6 * 32), np.float16), f, f, split=8)
     assert len(dev.driver.blocks) == n and _launch._STATS["hits"] == hits
