@@ -83,6 +83,10 @@ def test_debug_switch_checks_index_contents():
         with pytest.raises(ValueError, match="cu_seqlens\\[0\\]"):
             cupy_rope.apply_rope(t, f, "thd", cu_seqlens=np.array([2, 6], np.int32))
         cupy_rope.apply_rope(t, cupy_rope.rope_freqs(64, 32), "thd", cu_seqlens=np.array([0, 4, 8], np.int32), cp_size=2)
+        # a packed batch of no sequences passes the check, and every token is copied through
+        for sp in (None, np.zeros(0, np.int32)):
+            y = cupy_rope.apply_rope(t, f, "thd", cu_seqlens=np.array([0], np.int32), start_positions=sp)
+            np.testing.assert_array_equal(y, t)
     finally:
         cupy_rope.set_debug(False)
 
