@@ -42,8 +42,8 @@ if [[ $MODE == *probe* ]]; then
   done
 fi
 if [[ $MODE == *leanrows* ]]; then
-  # the lean kernel's rows per thread: 4 (main) against 2, interleaved (NOTES.md, twenty-seventh
-  # session: 2 won on an H100's lean rows, 4 on the H200's in the eighteenth session)
+  # the lean kernel's rows per thread: 4 (main) against 2, interleaved (NOTES.md: 2 wins on an
+  # H100's lean rows, 4 on the H200's, by 4-9%, in the eighteenth and twenty-eighth sessions)
   ROUNDS=${ROUNDS:-2} ROWS=${ROWS:-1,3,6,7,8} bash benchmarks/ab_defines.sh "base:" "r2:DEFINES=-DCUPY_ROPE_LEAN_ROWS=2"
 fi
 if [[ $MODE == *techeck* ]]; then

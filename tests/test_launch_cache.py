@@ -861,13 +861,12 @@ def test_cpp_functions_check_their_arguments(cupy_ext):
         with pytest.raises(TypeError, match="configure: expected"):
             configure_fn(*ok[:i], bad, *ok[i + 1:])
     configure_fn(*ok)
-    good = ENTRY_ARGS
-    assert type(entry_fn(*good)).__name__ == "PyCapsule"
+    assert type(entry_fn(*ENTRY_ARGS)).__name__ == "PyCapsule"
     for i, bad, exc in ((5, bytes(12), ValueError), (6, (0, 5), ValueError), (6, [0], TypeError),
                         (7, ((2,),), ValueError), (7, ((1.0,),), TypeError), (8, ((0, [2, 3], 0, 0),), ValueError),
                         (8, ((-1, (2, 3), 0, 0),), ValueError), (5, "x", TypeError)):
         with pytest.raises(exc):
-            entry_fn(*good[:i], bad, *good[i + 1:])
+            entry_fn(*ENTRY_ARGS[:i], bad, *ENTRY_ARGS[i + 1:])
 
 
 def test_cpp_configure_releases_what_it_replaces(cupy_ext):
