@@ -251,6 +251,9 @@ __device__ __forceinline__ void rope_one_body(const RopeParams& p, unsigned blk)
 // its token's position and, one pair at a time, the pair's cos/sin and its rotation in every row
 // (rope_one_body's order without its general addressing, sharing, caches or unit of floats):
 // resident threads cover few tokens whole, the order a copy runs fastest in (benchmarks/NOTES.md).
+// Every pair is rotated in all R rows, a thread's rows past its count as zeros that are never
+// stored, and each row's pair is converted in one instruction (set_unit_pair): a branch per pair
+// and row cost 1-2% on an H100 (benchmarks/NOTES.md, twenty-eighth session).
 // The same bits as the other kernels: each pair is rotate_pair of the sincosf of its angles.
 template <typename T, int V, bool INTERLEAVED, bool BACKWARD, int R>
 __device__ __forceinline__ void rope_lean_body(const RopeParams& p, unsigned blk) {
@@ -273,10 +276,14 @@ __device__ __forceinline__ void rope_lean_body(const RopeParams& p, unsigned blk
   T* y = reinterpret_cast<T*>(p.y) + yo;
   await_previous_grid();
   Vec<T, V> a[R], b[R];
-  for_rows<R>(cnt, [&](int j) {
-    a[j] = load_vec<T, V>(x + j * xstep);
-    b[j] = load_vec<T, V>(x + j * xstep + dc);
-  });
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    a[j] = b[j] = Vec<T, V>{};
+    if (j < cnt) {
+      a[j] = load_vec<T, V>(x + j * xstep);
+      b[j] = load_vec<T, V>(x + j * xstep + dc);
+    }
+  }
   i64 pos = 0;
   const bool valid = token_position(p.pos, outer, inner, pos);  // sets pos: before in_table reads it
   if (in_table(valid, pos, p.f_rows)) {
@@ -293,12 +300,12 @@ __device__ __forceinline__ void rope_lean_body(const RopeParams& p, unsigned blk
       sincosf(af, &sf, &cf);
       sg = sf, cg = cf;
       if (ag != af) sincosf(ag, &sg, &cg);
-      for_rows<R>(cnt, [&](int j) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
         float xf = unit_elem<T, V>(a[j], b[j], f), xg = unit_elem<T, V>(a[j], b[j], g);
         rotate_pair<BACKWARD>(xf, xg, cf, sf, cg, sg);
-        set_unit_elem<T, V>(a[j], b[j], f, xf);
-        set_unit_elem<T, V>(a[j], b[j], g, xg);
-      });
+        set_unit_pair<T, V>(a[j], b[j], f, g, xf, xg);
+      }
     }
   }
   for_rows<R>(cnt, [&](int j) {

@@ -138,8 +138,8 @@ __device__ __forceinline__ void from_floats(const float* y, Vec<T, V>& v) {
   }
 }
 
-// Element e of a unit held as two vectors (e < V in a, else in b), as a float; and written from
-// one (rounded to nearest even, the bits from_floats gives).
+// Element e of a unit held as two vectors (e < V in a, else in b), as a float (set_unit_pair
+// writes a pair of them back).
 template <typename T, int V>
 __device__ __forceinline__ float unit_elem(const Vec<T, V>& a, const Vec<T, V>& b, int e) {
   const Vec<T, V>& v = e < V ? a : b;
@@ -151,15 +151,26 @@ __device__ __forceinline__ float unit_elem(const Vec<T, V>& a, const Vec<T, V>& 
   }
 }
 
+// The bits of element e of a 16-bit type (h below 2^16) written into a unit.
 template <typename T, int V>
-__device__ __forceinline__ void set_unit_elem(Vec<T, V>& a, Vec<T, V>& b, int e, float x) {
+__device__ __forceinline__ void set_unit_bits(Vec<T, V>& a, Vec<T, V>& b, int e, unsigned int h) {
   Vec<T, V>& v = e < V ? a : b;
   const int i = e % V;
+  unsigned int& w = v.w[i / 2];
+  w = i & 1 ? (w & 0xffffu) | (h << 16) : (w & 0xffff0000u) | h;
+}
+
+// Elements f and g of a unit written from xf and xg, each rounded to nearest even (from_floats's
+// bits): a 16-bit type's two in one conversion of the pair (Half16::pack).
+template <typename T, int V>
+__device__ __forceinline__ void set_unit_pair(Vec<T, V>& a, Vec<T, V>& b, int f, int g, float xf, float xg) {
   if constexpr (sizeof(T) == 4) {
-    v.w[i] = __float_as_uint(x);
+    (f < V ? a : b).w[f % V] = __float_as_uint(xf);
+    (g < V ? a : b).w[g % V] = __float_as_uint(xg);
   } else {
-    unsigned int& w = v.w[i / 2];
-    w = i & 1 ? (w & 0xffffu) | (Half16<T>::one(x) << 16) : (w & 0xffff0000u) | Half16<T>::one(x);
+    const unsigned int h = Half16<T>::pack(xf, xg);
+    set_unit_bits<T, V>(a, b, f, h & 0xffffu);
+    set_unit_bits<T, V>(a, b, g, h >> 16);
   }
 }
 
