@@ -592,6 +592,13 @@ def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy
     assert inplace(q, far, big[:8].reshape(2, 4)[:, :0]) == inplace(q, far, big[800:808].reshape(2, 4)[:, :0])
     # tuples carry their lengths
     assert key(opts=("sbhd", (4, 1), 1), arrays=(x(), f)) != key(opts=("sbhd", (4,), 1, 1), arrays=(x(), f))
+    # and nest at most four deep (the options tuple the first): deeper is not keyed, however deep
+    assert type(key(opts=("sbhd", (((1,),),)), arrays=(x(), f))) is bytes
+    assert key(opts=("sbhd", ((((1,),),),)), arrays=(x(), f)) is None
+    deep = 1
+    for _ in range(200_000):
+        deep = (deep,)
+    assert key(head=deep, arrays=(x(), f)) is None
     # the arguments
     for args in (({}, ("rope",), (), [x()], 0), ([], ("rope",), (), (x(),), 0), ({}, ("rope",), (), (x(),)),
                  ({}, ("rope",), (), (x(),), 0.0)):
