@@ -692,6 +692,13 @@ def test_rope_inv_freq_types_follow_the_published_formulas():
             s = (8192 / wl - 1.0) / (4.0 - 1.0)
             want = (1 - s) * f / 8.0 + s * f
         assert got == pytest.approx(want, rel=1e-14)
+    # a wavelength exactly at the low-frequency edge (8192 / low_freq_factor) is in the smooth band,
+    # whose weight there is 0: the frequency divided by the factor (HF's inclusive band edges)
+    fs = _hf_default(128, 500000.0)
+    edge = next(i for i, f in enumerate(fs) if 2 * np.pi / f > 2048 and 8192 / (8192 / (2 * np.pi / f)) == 2 * np.pi / f)
+    lo = 8192 / (2 * np.pi / fs[edge])
+    inv, _ = cupy_rope.rope_inv_freq(128, 500000.0, dict(sc, low_freq_factor=lo))
+    assert inv[edge] == pytest.approx(fs[edge] / 8.0, rel=1e-14)
     # YaRN: ramp between interpolation and extrapolation, attention factor 0.1 ln(s) + 1
     sc = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
     inv, att = cupy_rope.rope_inv_freq(dim, base, sc, max_position_embeddings=16384)
