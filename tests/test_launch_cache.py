@@ -504,6 +504,11 @@ def test_cupy_hit_path_on_fake_device_memory(monkeypatch, hit_path):
     n, hits = len(dev.driver.launched), _launch._STATS["hits"]
     cupy_rope.apply_rope(x, f, "sbhd", start_positions=sp)
     assert entered == [0] and len(dev.driver.launched) == n + 1 and _launch._STATS["hits"] == hits + 1
+    # no tokens, no heads: an empty output and no launch (a grid of no blocks is a driver error)
+    for shape in ((0, 4, 2, 32), (3, 4, 0, 32)):
+        n = len(dev.driver.launched)
+        y = cupy_rope.apply_rope(dev.array(shape, np.float16), f, "sbhd", start_positions=sp)
+        assert y.shape == shape and len(dev.driver.launched) == n
 
 
 def test_cpp_keys_carry_descriptors_typed_options_and_overlaps(monkeypatch, cupy_ext):
