@@ -695,8 +695,9 @@ def test_rope_inv_freq_types_follow_the_published_formulas():
     # a wavelength exactly at the low-frequency edge (8192 / low_freq_factor) is in the smooth band,
     # whose weight there is 0: the frequency divided by the factor (HF's inclusive band edges)
     fs = cupy_rope.rope_inv_freq(128, 500000.0)[0]  # the unscaled frequencies the scaling starts from
-    edge = next(i for i, f in enumerate(fs) if 2 * np.pi / f > 2048 and 8192 / (8192 / (2 * np.pi / f)) == 2 * np.pi / f)
-    lo = 8192 / (2 * np.pi / fs[edge])
+    wl = 2 * np.pi / fs
+    edge = next(i for i, w in enumerate(wl) if w > 2048 and 8192 / (8192 / w) == w)
+    lo = 8192 / wl[edge]
     inv, _ = cupy_rope.rope_inv_freq(128, 500000.0, dict(sc, low_freq_factor=lo))
     assert inv[edge] == pytest.approx(fs[edge] / 8.0, rel=1e-14)
     # YaRN: ramp between interpolation and extrapolation, attention factor 0.1 ln(s) + 1
