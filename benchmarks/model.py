@@ -6,7 +6,7 @@ views (strided, no copies), causal attention (``F.scaled_dot_product_attention``
 framework and mode: with the plain formula (``x*cos + rotate_half(x)*sin``, cos/sin tables in
 the model's dtype gathered at the positions, as model code writes it) and with cupy_rope (torch:
 ``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
-on the unsliced projection). Decode steps pass per-sequence positions (``start_positions``).
+on the unsliced projection, with ``return_v=True``: v from the same call). Decode steps pass per-sequence positions (``start_positions``).
 A third torch variant, ``cupy_rope_cache``, is the serving engines' form: per-token positions and
 a cos/sin cache in the model's dtype (``cupy_rope.torch.apply_rope_pos(positions, q, k,
 cos_sin_cache=...)``, the cache from ``rope_cos_sin_cache``), no sine or cosine in the kernel.
@@ -57,7 +57,9 @@ CONFIGS = {
     "decode": dict(b=64, s=1, h=32, d=128, layers=16, decode=True),
 }
 MODES = ("eager", "compile", "reduce-overhead", "jit")
-VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"), "jax": ("formula", "cupy_rope")}
+# JAX's cupy_rope_sliced_v: the fused entry without return_v, v sliced from the projection by the
+# model (its gradient added to the entry's by XLA): what return_v saves, in the same run.
+VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"), "jax": ("formula", "cupy_rope", "cupy_rope_sliced_v")}
 DEVICE = "cuda"  # torch models' device (a CPU run is a smoke test of the code, not a benchmark)
 KINDS = ("infer", "train")
 MAX_POS = 4096
@@ -247,11 +249,13 @@ def _jax_step(cfg, variant, kind):
     def layer(x, w_qkv, w_o):
         qkv = (x @ w_qkv).reshape(b, s, 3, h, d)
         if variant == "formula":
-            q, k = qkv[:, :, 0], qkv[:, :, 1]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        else:
-            q, k = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp)
-        o = jax.nn.dot_product_attention(q, k, qkv[:, :, 2], is_causal=True)  # [b, s, h, d]
+        elif variant == "cupy_rope":  # v from the same call: its gradient goes into the entry's buffer
+            q, k, v = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp, return_v=True)
+        else:  # cupy_rope_sliced_v
+            (q, k), v = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp), qkv[:, :, 2]
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [b, s, h, d]
         return x + o.reshape(b, s, D) @ w_o
 
     keys = jax.random.split(key, 2 * cfg["layers"] + 1)
@@ -303,9 +307,9 @@ def model_rows(configs, modes, kinds, rounds):
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
                              cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],
                              shape=cfg, launch_cache={k: after[k] - before[k] for k in after}))
-            if "cupy_rope_cache" in times:
-                rows[-1].update(cupy_rope_cache_ms=times["cupy_rope_cache"],
-                                ratio_cache=times["cupy_rope_cache"] / times["formula"])
+            for variant, key in (("cupy_rope_cache", "cache"), ("cupy_rope_sliced_v", "sliced_v")):
+                if variant in times:
+                    rows[-1].update({f"{variant}_ms": times[variant], f"ratio_{key}": times[variant] / times["formula"]})
         except Exception as e:  # recorded, never hidden
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, error=f"{type(e).__name__}: {e}"[:400]))
         tqdm.write(json.dumps({k: v for k, v in rows[-1].items() if k != "shape"}))

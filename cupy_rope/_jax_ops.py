@@ -172,11 +172,15 @@ def _views_info(shape, dtype, views):
     return [_plan.ArrayInfo(tuple(sh), tuple(st), np.dtype(dtype).name, ("cpu", 0), 0) for sh, st, _ in views]
 
 
-def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, views=None):
+def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, views=None, out_shape=None):
     """q, k -> (q', k') in one launch. With ``views`` (fused entry) ``q`` is the fused projection
-    and ``k`` None: q and k are the strided views [(shape, strides, offset)] into it."""
+    and ``k`` None: q and k are the strided views [(shape, strides, offset)] into it. With
+    ``out_shape`` as well (the fused entry's transpose) ``q`` and ``k`` are separate and the
+    result is one compact array of ``out_shape`` holding q' and k' at ``views``; the rest of it is
+    zero on the CPU and unspecified on the GPU (the caller writes it)."""
     names = ("dq", "dk") if backward else ("q", "k")
-    if views is None:
+    into = out_shape is not None
+    if views is None or into:
         qi, ki = _info(q), _info(k)
     else:
         qi, ki = _views_info(q.shape, q.dtype, views)
@@ -184,33 +188,41 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
                                      cp_rank, False, backward, names)
     if not _on_gpu(q, freqs):
         _check_cpu_cu(pq, tuple(qi.shape[:-2]), cu)
-        if views is not None:
+        if views is not None and not into:
             q, k = (_view(q, v) for v in views)
-        return tuple(_numpy_backend.rope(jnp, p, a, freqs, cu, sp) for p, a in ((pq, q), (pk, k)))
-    shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
+        outs = tuple(_numpy_backend.rope(jnp, p, a, freqs, cu, sp) for p, a in ((pq, q), (pk, k)))
+        return _assemble(out_shape, views, outs) if into else outs
+    if into:
+        shapes = (jax.ShapeDtypeStruct(tuple(out_shape), q.dtype),)
+        outs = _views_info(out_shape, q.dtype, views)
+    else:
+        shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
+        outs = [_info(s) for s in shapes]
     if qi.size == 0 and ki.size == 0:
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
-    outs = [_info(s) for s in shapes]
+        zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+        return zeros[0] if into else zeros
     _precompile(_worksplit.rope_launch([pq, pk], [(qi, outs[0]), (ki, outs[1])], _info(freqs), _info(cu),
                                        _info(sp), 1))
 
     isz = np.dtype(q.dtype).itemsize
-    if views is None:
+    if views is None or into:
         in_slots = [[("x", 0)], [("x2", 0)]]
     else:
         in_slots = [[("x", views[0][2] * isz), ("x2", views[1][2] * isz)], []]
     in_slots += _ROPE_IN[1:]
+    out_slots = [[("y", views[0][2] * isz), ("y2", views[1][2] * isz)]] if into else [[("y", 0)], [("y2", 0)]]
 
     fs, cs, ss = _shapes(freqs, cu, sp)
 
     def build(addr, device):
         xs = [_plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n]) for i, n in ((qi, "x"), (ki, "x2"))]
-        ys = [_at(s, addr[n], device) for s, n in zip(shapes, ("y", "y2"))]
+        ys = [_plan.ArrayInfo(o.shape, o.strides, o.dtype, ("cuda", device), addr[n]) for o, n in zip(outs, ("y", "y2"))]
         return _worksplit.rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
                                       _at(cs, addr["cu_seqlens"], device),
                                       _at(ss, addr["start_positions"], device), _launch.sm_count(device))
 
-    return _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, [[("y", 0)], [("y2", 0)]], build)
+    res = _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, out_slots, build)
+    return res[0] if into else res
 
 
 def _view(a, view):
@@ -383,29 +395,91 @@ def fused_views(shape, layout: str, num_q_heads=None, num_kv_heads=None):
     return [(lead + (hq, d), lst + (d, 1), 0), (lead + (hk, d), lst + (d, 1), hq * d)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _fused(qkv, freqs, cu_sp, views, layout, interleaved, cp_size, cp_rank, backward):
-    return _qk_impl(qkv, None, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views)
+def _regions(shape, views):
+    """(axis, [(start, size)] of q, k and v along it): the parts of a fused projection of
+    ``shape`` whose q and k views are ``views``; they tile the axis after the token dimensions."""
+    axis = len(views[0][0]) - 2
+    if len(shape) == axis + 3:  # stacked lead + (3, h, d)
+        return axis, [(0, 1), (1, 1), (2, 1)]
+    q, k = (int(np.prod(v[0][-2:])) for v in views)  # concatenated lead + ((hq + 2*hk) * d,)
+    return axis, [(0, q), (q, k), (q + k, shape[-1] - q - k)]
+
+
+def _region(a, part, shape, views):
+    """``a`` (q-, k- or v-shaped) as region ``part`` (0, 1, 2) of a projection of ``shape``."""
+    axis, regions = _regions(shape, views)
+    return a.reshape(tuple(shape[:axis]) + (regions[part][1],) + tuple(shape[axis + 1:]))
+
+
+def _v_part(qkv, views):
+    """The v part of a fused projection, shaped like its k view (an XLA slice, no launch)."""
+    axis, regions = _regions(qkv.shape, views)
+    start, size = regions[2]
+    return jax.lax.slice_in_dim(qkv, start, start + size, axis=axis).reshape(views[1][0])
+
+
+def _assemble(shape, views, qk, v=None):
+    """A projection of ``shape`` from its q and k parts (``qk``) and v (None: zeros)."""
+    v = jnp.zeros(views[1][0], qk[0].dtype) if v is None else v
+    return jnp.concatenate([_region(a, i, shape, views) for i, a in enumerate((*qk, v))],
+                           axis=_regions(shape, views)[0])
+
+
+def _set_v(d, v, views):
+    """``d`` with its v region replaced by ``v`` (None: zeros); XLA updates it in place."""
+    axis, regions = _regions(d.shape, views)
+    v = jnp.zeros(views[1][0], d.dtype) if v is None else v
+    return jax.lax.dynamic_update_slice_in_dim(d, _region(v.astype(d.dtype), 2, d.shape, views), regions[2][0],
+                                               axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _fused(qkv, freqs, cu_sp, views, with_v, layout, interleaved, cp_size, cp_rank, backward):
+    q, k = _qk_impl(qkv, None, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views)
+    return (q, k, _v_part(qkv, views)) if with_v else (q, k)
 
 
 def _fused_fwd(qkv, freqs, cu_sp, views, *static):
     return _fused(qkv, freqs, cu_sp, views, *static), (qkv.shape, freqs, cu_sp)
 
 
-def _fused_bwd(views, layout, interleaved, cp_size, cp_rank, backward, res, g):
+def _fused_bwd(views, with_v, layout, interleaved, cp_size, cp_rank, backward, res, g):
+    """The gradient of the projection in one launch writing the q and k parts of one buffer, its v
+    part then set in place (v's gradient, or zeros): the bytes of the formula's gradient. Under
+    ``jax_debug_nans``/``jax_debug_infs`` the buffer is assembled from separate q and k outputs
+    instead (the launch leaves the v part unspecified until it is set)."""
     shape, freqs, cu_sp = res
-    gq, gk = _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank, not backward)
-    q_shape = views[0][0]
-    if len(shape) == len(q_shape) + 1:  # stacked lead + (3, h, d)
-        d = jnp.stack([gq, gk, jnp.zeros_like(gk)], axis=len(q_shape) - 2)
-    else:  # concatenated lead + ((hq + 2*hk) * d,): q heads, k heads, then zeros for v
-        lead = tuple(q_shape[:-2])
-        gq, gk = gq.reshape(lead + (-1,)), gk.reshape(lead + (-1,))
-        d = jnp.concatenate([gq, gk, jnp.zeros(lead + (shape[-1] - gq.shape[-1] - gk.shape[-1],), gq.dtype)], -1)
-    return d.reshape(shape), _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
+    gv = g[2] if with_v else None
+    if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
+        d = _assemble(shape, views, _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank,
+                                        not backward), gv)
+    else:
+        d = _set_v(_fused_t(g[0], g[1], freqs, cu_sp, views, shape, layout, interleaved, cp_size, cp_rank,
+                            not backward), gv, views)
+    return d, _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _fused_t(gq, gk, freqs, cu_sp, views, shape, layout, interleaved, cp_size, cp_rank, backward):
+    """The fused entry's transpose: gq, gk -> one projection-shaped buffer holding them rotated at
+    ``views`` (its v part: zeros on the CPU, unspecified on the GPU; :func:`_fused_bwd` sets it)."""
+    return _qk_impl(gq, gk, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views, shape)
+
+
+def _fused_t_fwd(gq, gk, freqs, cu_sp, *static):
+    return _fused_t(gq, gk, freqs, cu_sp, *static), (freqs, cu_sp)
+
+
+def _fused_t_bwd(views, shape, layout, interleaved, cp_size, cp_rank, backward, res, c):
+    freqs, cu_sp = res
+    a, b = _fused(c, freqs, cu_sp, views, False, layout, interleaved, cp_size, cp_rank, not backward)
+    return a, b, _zero_cot(freqs), tuple(_zero_cot(x) for x in cu_sp)
+
+
+_fused_t.defvjp(_fused_t_fwd, _fused_t_bwd)
 
 
 def _hashable_views(views):
@@ -413,33 +487,42 @@ def _hashable_views(views):
 
 
 def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_heads=None,
-                        interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0):
+                        interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0,
+                        return_v=False):
     """Rotate q and k read straight out of an unsliced fused projection, in one launch.
 
     Under ``jit`` a custom call's operands are dense, so ``qkv[:, :, 0]`` would be copied before
-    the kernel runs; this entry reads q and k where they are in ``qkv``.
+    the kernel runs; this entry reads q and k where they are in ``qkv``. The gradient with
+    respect to ``qkv`` is written by one launch into one buffer (its v part then set in place).
 
     Args:
         qkv: ``lead + (3, h, d)`` (q, k, v stacked) or ``lead + ((hq + 2*hk) * d,)`` (q heads, then
             k heads, then v heads, concatenated; give ``num_q_heads`` = hq and ``num_kv_heads`` =
             hk); ``lead`` = ``(s, b)`` (sbhd), ``(b, s)`` (bshd) or ``(t,)`` (thd).
+        return_v: also return v (``lead + (hk, d)``, sliced from ``qkv``, not rotated). Take v from
+            here in a model that is differentiated: v's gradient then goes into the gradient's
+            buffer directly, where a v sliced from ``qkv`` separately gets its own gradient
+            buffer, which XLA adds to this entry's (reading and writing the whole projection once
+            more).
         Other arguments as :func:`apply_rope`.
 
     Returns:
-        ``(q, k)``: ``lead + (hq, d)`` and ``lead + (hk, d)``, rotated; v stays in ``qkv``.
-        Differentiable in ``qkv`` (the v part of the gradient is zero).
+        ``(q, k)``: ``lead + (hq, d)`` and ``lead + (hk, d)``, rotated (with ``return_v``:
+        ``(q, k, v)``). Differentiable in ``qkv`` (without ``return_v`` the v part of the gradient
+        is zero).
 
     Example:
         >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
         >>> f = jnp.asarray(cupy_rope.rope_freqs(64, 16))
-        >>> q, k = crj.apply_rope_qk_fused(jnp.ones((2, 16, 3, 4, 64)), f, "bshd")
-        >>> q.shape
-        (2, 16, 4, 64)
+        >>> q, k, v = crj.apply_rope_qk_fused(jnp.ones((2, 16, 3, 4, 64)), f, "bshd", return_v=True)
+        >>> q.shape, v.shape
+        ((2, 16, 4, 64), (2, 16, 4, 64))
     """
     _arrays(qkv=qkv, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     views = _hashable_views(fused_views(qkv.shape, layout, num_q_heads, num_kv_heads))
+    with_v = _plan.check_bool("return_v", return_v)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
-                     lambda *o: _fused(qkv, freqs, (cu_seqlens, start_positions), views, *o, False))
+                     lambda *o: _fused(qkv, freqs, (cu_seqlens, start_positions), views, with_v, *o, False))
 
 
 # ----------------------------------------------------------------------------- packed QKV

@@ -31,7 +31,7 @@ S, B, H, D = 6, 2, 3, 16
 BAD = [None, "x", 1.5, True, -1, 2**63, 2**70, float("nan"), np.float32(1.0), np.int64(2), [1, 2], object(),
        np.zeros(()), np.zeros((2, 2), np.int8), np.zeros(3, np.complex64), np.array([1.0, 2.0]),
        np.zeros((0,), np.int64), np.ones((1, 1, 1, 1, 1), np.float32)]
-FLAGS = {"interleaved", "inplace", "inverse", "transpose_output_memory", "is_neox", "interleave"}
+FLAGS = {"interleaved", "inplace", "inverse", "transpose_output_memory", "is_neox", "interleave", "return_v"}
 INTS = {"cp_size", "cp_rank", "head_size", "rope_dim_offset", "num_q_heads", "num_kv_heads", "dim", "max_seq_len",
         "rotary_dim", "max_position", "offset", "max_position_embeddings", "seq_len",
         "pretrained_max_position_embeddings"}

@@ -297,3 +297,48 @@ def test_jax_rope_qk_fused_gpu_command_buffers(xla_launch):
     assert not np.asarray(g)[..., 1024:].any()
     qv, _ = jax.vmap(lambda a: crj.apply_rope_qk(a, a[..., :2, :], f, "bshd"))(jnp.stack([jnp.asarray(qn)] * 2))
     np.testing.assert_array_equal(np.asarray(qv[1]), np.asarray(q))
+
+
+@pytest.mark.parametrize("form", ["stacked", "flat"])
+def test_jax_rope_qk_fused_gpu_gradient_one_buffer(xla_launch, form):
+    """The fused entry's gradient on the GPU (one launch into the gradient's buffer, its v part set
+    in place), with and without ``return_v``, in bf16 and float32, jitted and called with
+    alternating inputs: the gradient of every call is the reference's for its own cotangents."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(17)
+    fn_ = rng.uniform(-5, 5, (64, 1, 1, 128)).astype(np.float32)
+    f, sp_n = jnp.asarray(fn_), np.array([5, 11], np.int32)
+    if form == "stacked":
+        shape, kw, (hq, hk) = (2, 16, 3, 4, 128), {}, (4, 4)
+    else:
+        shape, kw, (hq, hk) = (2, 16, (8 + 2 * 2) * 128), dict(num_q_heads=8, num_kv_heads=2), (8, 2)
+
+    def parts(a):
+        a = a.reshape(2, 16, -1)
+        return (a[..., : hq * 128].reshape(2, 16, hq, 128), a[..., hq * 128: (hq + hk) * 128].reshape(2, 16, hk, 128),
+                a[..., (hq + hk) * 128:].reshape(2, 16, hk, 128))
+
+    for dtype, tol in ((np.float32, 1e-5), (ml_dtypes.bfloat16, 2e-2)):
+        for return_v in (True, False):
+            def vjp(a, cq, ck, cv, return_v=return_v):
+                def fwd(t):
+                    out = crj.apply_rope_qk_fused(t, f, "bshd", start_positions=jnp.asarray(sp_n), return_v=return_v,
+                                                  **kw)
+                    return out if return_v else (*out, parts(t)[2])
+                return jax.vjp(fwd, a)[1]((cq, ck, cv))[0]
+
+            fn = jax.jit(vjp)
+            for trial in range(4):
+                a = rng.uniform(-1, 1, shape).astype(dtype)
+                cots = [rng.uniform(-1, 1, (2, 16, h, 128)).astype(dtype) for h in (hq, hk, hk)]
+                g = np.asarray(fn(jnp.asarray(a), *(jnp.asarray(c) for c in cots))).astype(np.float32)
+                gq, gk, gv = parts(g)
+                for got, c in ((gq, cots[0]), (gk, cots[1])):
+                    ref = rope_ref(c.astype(np.float32), fn_, layout="bshd", start_positions=sp_n, backward=True)
+                    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+                np.testing.assert_array_equal(gv, cots[2].astype(np.float32))

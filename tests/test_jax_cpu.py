@@ -1,5 +1,7 @@
 """JAX shim on the CPU: jit, grad against a pure-jnp reference, vmap, packed QKV."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -123,6 +125,80 @@ def test_jax_rope_qk_and_fused_cpu(form):
     assert not gv.any()
     with pytest.raises(ValueError, match="`num_q_heads`"):
         crj.apply_rope_qk_fused(jnp.asarray(qkv_n.reshape(2, 8, -1)), f, "bshd")
+
+
+@pytest.mark.parametrize("form", ["stacked", "flat"])
+def test_jax_fused_return_v_cpu(form):
+    """``return_v``: v is the projection's v part; the gradient (v's included) is the reference's,
+    the same as with v sliced by the caller; second-order derivatives agree with the separate q
+    and k entry on slices (the fused entry's transpose has a VJP of its own)."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(9)
+    fn_ = rng.uniform(-5, 5, (24, 32)).astype(np.float32)
+    f = jnp.asarray(fn_)
+    sp_n = np.array([2, 5], np.int32)
+    kw = dict(start_positions=jnp.asarray(sp_n))
+    if form == "stacked":
+        qkv_n = rng.uniform(-1, 1, (2, 8, 3, 3, 32)).astype(np.float32)
+        fused_kw = {}
+
+        def parts(a):
+            return a[:, :, 0], a[:, :, 1], a[:, :, 2]
+    else:
+        qkv_n = rng.uniform(-1, 1, (2, 8, (6 + 2 * 2) * 32)).astype(np.float32)
+        fused_kw = dict(num_q_heads=6, num_kv_heads=2)
+
+        def parts(a):
+            return a[..., :192].reshape(2, 8, 6, 32), a[..., 192:256].reshape(2, 8, 2, 32), \
+                a[..., 256:].reshape(2, 8, 2, 32)
+    q, k, v = jax.jit(lambda a: crj.apply_rope_qk_fused(a, f, "bshd", return_v=True, **fused_kw, **kw))(
+        jnp.asarray(qkv_n))
+    qn, kn, vn = parts(qkv_n)
+    np.testing.assert_array_equal(np.asarray(v), vn)
+    for y, xn in ((q, qn), (k, kn)):
+        assert_close_to_ref(np.asarray(y), rope_ref(xn, fn_, layout="bshd", start_positions=sp_n), xn, 32, "float32")
+    w = [rng.uniform(-1, 1, a.shape).astype(np.float32) for a in (q, k, v)]
+
+    def loss(a, return_v):
+        out = crj.apply_rope_qk_fused(a, f, "bshd", return_v=return_v, **fused_kw, **kw)
+        v = out[2] if return_v else parts(a)[2]
+        return sum((o * wi).sum() for o, wi in zip((out[0], out[1], v), w))
+
+    g = jax.jit(jax.grad(lambda a: loss(a, True)))(jnp.asarray(qkv_n))
+    gq, gk, gv = (np.asarray(t) for t in parts(g))
+    np.testing.assert_allclose(gq, rope_ref(w[0], fn_, layout="bshd", start_positions=sp_n, backward=True),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gk, rope_ref(w[1], fn_, layout="bshd", start_positions=sp_n, backward=True),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(gv, w[2])
+    g_sliced = jax.jit(jax.grad(lambda a: loss(a, False)))(jnp.asarray(qkv_n))
+    np.testing.assert_array_equal(np.asarray(g_sliced), np.asarray(g))
+    jax.config.update("jax_debug_nans", True)  # the gradient assembled from separate q and k outputs
+    try:
+        g_debug = jax.jit(jax.grad(lambda a: loss(a, True)))(jnp.asarray(qkv_n))
+    finally:
+        jax.config.update("jax_debug_nans", False)
+    np.testing.assert_array_equal(np.asarray(g_debug), np.asarray(g))
+
+    def quad(a, fused):  # a non-linear loss: second derivatives go through the transpose's VJP
+        if fused:
+            out = crj.apply_rope_qk_fused(a, f, "bshd", return_v=True, **fused_kw, **kw)
+        else:
+            pq, pk, pv = parts(a)
+            out = (*crj.apply_rope_qk(pq, pk, f, "bshd", **kw), pv)
+        return sum(((o * wi) ** 2).sum() for o, wi in zip(out, w))
+
+    t = jnp.asarray(rng.uniform(-1, 1, qkv_n.shape).astype(np.float32))
+    hv = [np.asarray(jax.grad(lambda a, fu=fu: jnp.vdot(jax.grad(functools.partial(quad, fused=fu))(a), t))(
+        jnp.asarray(qkv_n))) for fu in (True, False)]  # reverse over reverse: Hessian times t
+    assert np.abs(hv[1]).max() > 0
+    np.testing.assert_allclose(hv[0], hv[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="`return_v`"):
+        crj.apply_rope_qk_fused(jnp.asarray(qkv_n), f, "bshd", return_v=1, **fused_kw)
 
 
 def test_jax_qkv_backward_split_as_the_public_api():

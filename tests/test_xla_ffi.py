@@ -132,6 +132,46 @@ def test_ffi_rope_qk(lowered_for_cuda, form):
         assert_close_to_ref(got, rope_ref(a, fn_, layout="bshd", start_positions=sp), a, 64, "float32", name)
 
 
+@pytest.mark.parametrize("form", ["stacked", "flat_gqa"])
+def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
+    """The fused entry's gradient: one launch writes the rotated dq and dk into their parts of one
+    projection-shaped buffer and nothing else (its v part stays poisoned here); XLA then sets the v
+    part in place. The lowered backward holds the forward's launch and this one, no other."""
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+    from cupy_rope import _jax_ops
+
+    rng = np.random.default_rng(16)
+    fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
+    sp = np.array([2, 7], np.int32)
+    if form == "stacked":
+        shape, kw, (hq, hk) = (2, 16, 3, 4, 64), {}, (4, 4)
+    else:
+        shape, kw, (hq, hk) = (2, 16, (8 + 2 * 2) * 64), dict(num_q_heads=8, num_kv_heads=2), (8, 2)
+    views = _jax_ops._hashable_views(_jax_ops.fused_views(shape, "bshd", **kw))
+    gq, gk = (rng.uniform(-1, 1, (2, 16, h, 64)).astype(np.float32) for h in (hq, hk))
+    text = lowered_for_cuda(lambda a, b, f, s: _jax_ops._fused_t(a, b, f, (None, s), views, shape, "bshd", False, 1, 0,
+                                                                 True), gq, gk, fn_, sp)
+    d = _poisoned(shape, np.float32)
+    run_lowered(text, [_aligned(a) for a in (gq, gk, fn_, sp)], [d])
+    flat = d.reshape(2, 16, -1)
+    got_q, got_k = flat[..., : hq * 64].reshape(gq.shape), flat[..., hq * 64: (hq + hk) * 64].reshape(gk.shape)
+    for got, g, name in ((got_q, gq, "dq"), (got_k, gk, "dk")):
+        assert_close_to_ref(got, rope_ref(g, fn_, layout="bshd", start_positions=sp, backward=True), g, 64, "float32",
+                            name)
+    assert np.isnan(flat[..., (hq + hk) * 64:]).all(), "the launch wrote the v part"
+    for return_v in (True, False):
+        def loss(a):
+            out = crj.apply_rope_qk_fused(a, jnp.asarray(fn_), "bshd", start_positions=jnp.asarray(sp),
+                                          return_v=return_v, **kw)
+            return sum((o * o).sum() for o in out)  # not linear: the forward's launch stays
+
+        grad_text = lowered_for_cuda(jax.grad(loss), np.ones(shape, np.float32))
+        assert grad_text.count("stablehlo.custom_call @cupy_rope_launch") == 2, grad_text
+        assert "stablehlo.dynamic_update_slice" in grad_text and "stablehlo.concatenate" not in grad_text
+
+
 def test_ffi_rope_pos_cos_sin_cache(lowered_for_cuda):
     """The positions API: per-token positions, a float32 cos/sin cache, q and k (GQA), NeoX."""
     import cupy_rope.jax as crj
