@@ -143,7 +143,7 @@ def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
     from cupy_rope import _jax_ops
 
     rng = np.random.default_rng(16)
-    fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
+    fn_ = rng.uniform(-5, 5, (32, 1, 1, 48)).astype(np.float32)  # rotary 48 of 64: the rest copied
     sp = np.array([2, 7], np.int32)
     if form == "stacked":
         shape, kw, (hq, hk) = (2, 16, 3, 4, 64), {}, (4, 4)
@@ -158,7 +158,7 @@ def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
     flat = d.reshape(2, 16, -1)
     got_q, got_k = flat[..., : hq * 64].reshape(gq.shape), flat[..., hq * 64: (hq + hk) * 64].reshape(gk.shape)
     for got, g, name in ((got_q, gq, "dq"), (got_k, gk, "dk")):
-        assert_close_to_ref(got, rope_ref(g, fn_, layout="bshd", start_positions=sp, backward=True), g, 64, "float32",
+        assert_close_to_ref(got, rope_ref(g, fn_, layout="bshd", start_positions=sp, backward=True), g, 48, "float32",
                             name)
     assert np.isnan(flat[..., (hq + hk) * 64:]).all(), "the launch wrote the v part"
     for return_v in (True, False):
