@@ -6,7 +6,8 @@ views (strided, no copies), causal attention (``F.scaled_dot_product_attention``
 framework and mode: with the plain formula (``x*cos + rotate_half(x)*sin``, cos/sin tables in
 the model's dtype gathered at the positions, as model code writes it) and with cupy_rope (torch:
 ``cupy_rope.torch.apply_rope_qk`` on the two views; JAX: ``cupy_rope.jax.apply_rope_qk_fused``
-on the unsliced projection, with ``return_v=True``: v from the same call). Decode steps pass per-sequence positions (``start_positions``).
+on the unsliced projection, with ``return_v=True``: v from the same call). Decode steps pass
+per-sequence positions (``start_positions``).
 A third torch variant, ``cupy_rope_cache``, is the serving engines' form: per-token positions and
 a cos/sin cache in the model's dtype (``cupy_rope.torch.apply_rope_pos(positions, q, k,
 cos_sin_cache=...)``, the cache from ``rope_cos_sin_cache``), no sine or cosine in the kernel.
@@ -309,7 +310,8 @@ def model_rows(configs, modes, kinds, rounds):
                              shape=cfg, launch_cache={k: after[k] - before[k] for k in after}))
             for variant, key in (("cupy_rope_cache", "cache"), ("cupy_rope_sliced_v", "sliced_v")):
                 if variant in times:
-                    rows[-1].update({f"{variant}_ms": times[variant], f"ratio_{key}": times[variant] / times["formula"]})
+                    rows[-1].update({f"{variant}_ms": times[variant],
+                                     f"ratio_{key}": times[variant] / times["formula"]})
         except Exception as e:  # recorded, never hidden
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, error=f"{type(e).__name__}: {e}"[:400]))
         tqdm.write(json.dumps({k: v for k, v in rows[-1].items() if k != "shape"}))

@@ -216,7 +216,8 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
 
     def build(addr, device):
         xs = [_plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n]) for i, n in ((qi, "x"), (ki, "x2"))]
-        ys = [_plan.ArrayInfo(o.shape, o.strides, o.dtype, ("cuda", device), addr[n]) for o, n in zip(outs, ("y", "y2"))]
+        ys = [_plan.ArrayInfo(o.shape, o.strides, o.dtype, ("cuda", device), addr[n])
+              for o, n in zip(outs, ("y", "y2"))]
         return _worksplit.rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
                                       _at(cs, addr["cu_seqlens"], device),
                                       _at(ss, addr["start_positions"], device), _launch.sm_count(device))

@@ -90,10 +90,12 @@ def _fused_case(rng, form, hq, hk, d, rows, d2):
         def parts(a):
             return a[:, :, 0], a[:, :, 1], a[:, :, 2]
     else:
-        qkv, kw = rng.uniform(-1, 1, (2, 8, (hq + 2 * hk) * d)).astype(np.float32), dict(num_q_heads=hq, num_kv_heads=hk)
+        qkv = rng.uniform(-1, 1, (2, 8, (hq + 2 * hk) * d)).astype(np.float32)
+        kw = dict(num_q_heads=hq, num_kv_heads=hk)
 
         def parts(a):
-            return tuple(a[..., lo * d: (lo + h) * d].reshape(2, 8, h, d) for lo, h in ((0, hq), (hq, hk), (hq + hk, hk)))
+            return tuple(a[..., lo * d: (lo + h) * d].reshape(2, 8, h, d)
+                         for lo, h in ((0, hq), (hq, hk), (hq + hk, hk)))
 
     sp = rng.integers(0, rows - 8, 2).astype(np.int32)
     return qkv, rng.uniform(-5, 5, (rows, d2)).astype(np.float32), sp, kw, parts
