@@ -181,6 +181,33 @@ def test_torch_autograd_free_ops_skip_autograd():
         torch.testing.assert_close(o, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cp", [(1, 0), (4, 0), (4, 3)])
+def test_torch_common_options_are_checked_by_type_alone(cp, monkeypatch):
+    """The shim's hot path: options of the exact types with ranks in range (rank 0 and the last
+    included) skip the full option checks; anything else takes them (a wrong value is named)."""
+    import cupy_rope.torch as crt
+    from cupy_rope import _plan
+
+    cp_size, cp_rank = cp
+    f = _f(32, 32)
+    x, k = torch.randn(8, 2, 3, 32), torch.randn(8, 2, 1, 32)
+    want = (crt.apply_rope(x, f, cp_size=cp_size, cp_rank=cp_rank),
+            *crt.apply_rope_qk(x, k, f, cp_size=cp_size, cp_rank=cp_rank))
+    calls = []
+    orig = _plan.check_options
+    monkeypatch.setattr(_plan, "check_options", lambda *a: calls.append(a) or orig(*a))
+    got = (crt.apply_rope(x, f, cp_size=cp_size, cp_rank=cp_rank),
+           *crt.apply_rope_qk(x, k, f, cp_size=cp_size, cp_rank=cp_rank))
+    assert calls == []
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="`cp_rank`"):
+        crt.apply_rope(x, f, cp_size=cp_size, cp_rank=cp_size)
+    with pytest.raises(TypeError, match="`interleaved`"):
+        crt.apply_rope_qk(x, k, f, interleaved=1)
+    assert len(calls) == 2
+
+
 def test_torch_compile_fullgraph():
     import cupy_rope.torch as crt
 
