@@ -722,6 +722,23 @@ def test_cpp_path_leaves_outputs_like_a_missing_array(monkeypatch, cupy_ext):
         assert dev.driver.blocks[-1] == bytes(range(8)) + (first if slots else bytes(range(8, 16)))
 
 
+def test_cpp_entries_take_at_most_four_parameter_blocks(monkeypatch, cupy_ext):
+    """A C++ entry holds up to four parameter blocks (the launch's argument array has four): a
+    hit with four passes each block's address, in order, with the call's address patched in; an
+    entry of five is refused when it is made."""
+    cupy = pytest.importorskip("cupy")
+    dev = FakeCupyDevice(monkeypatch, cupy, cupy_ext)
+    c = KeptCall(dev, cupy_ext)
+    params = bytes(range(64))  # four blocks of two words
+    outs = ((0, (4, 2, 3, 8), 0, 0),)
+    e = c.entry_fn(1000, 1, 1, 128, False, params, (0, 2, 4, 6), ((1,),), outs, 222, 0)
+    dev.driver.block_bytes = lambda fptr: (64, 4)
+    assert type(c.call({c.key: (None, None, e)})) is list
+    assert dev.driver.blocks[-1] == params[:8] + c.arrays[0].data.ptr.to_bytes(8, "little") + params[16:]
+    with pytest.raises(ValueError, match="malformed launch"):
+        c.entry_fn(1000, 1, 1, 128, False, bytes(80), (0, 2, 4, 6, 8), ((1,),), outs, 222, 0)
+
+
 def test_cpp_path_leaves_entries_without_a_cpp_entry(monkeypatch, cupy_ext):
     """A kept value under the call's key that holds no C++ entry (too short a tuple, None, an
     object that is not the library's capsule, a capsule of another name) is left to the Python
