@@ -180,15 +180,16 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
     zero on the CPU and unspecified on the GPU (the caller writes it)."""
     names = ("dq", "dk") if backward else ("q", "k")
     into = out_shape is not None
-    if views is None or into:
-        qi, ki = _info(q), _info(k)
-    else:
+    views_in = views is not None and not into  # q and k read out of one projection
+    if views_in:
         qi, ki = _views_info(q.shape, q.dtype, views)
+    else:
+        qi, ki = _info(q), _info(k)
     pq, pk = _plan.resolve_rope_pair(qi, ki, _info(freqs), layout, interleaved, _info(cu), _info(sp), cp_size,
                                      cp_rank, False, backward, names)
     if not _on_gpu(q, freqs):
         _check_cpu_cu(pq, tuple(qi.shape[:-2]), cu)
-        if views is not None and not into:
+        if views_in:
             q, k = (_view(q, v) for v in views)
         outs = tuple(_numpy_backend.rope(jnp, p, a, freqs, cu, sp) for p, a in ((pq, q), (pk, k)))
         return _assemble(out_shape, views, outs) if into else outs
@@ -205,10 +206,10 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
                                        _info(sp), 1))
 
     isz = np.dtype(q.dtype).itemsize
-    if views is None or into:
-        in_slots = [[("x", 0)], [("x2", 0)]]
-    else:
+    if views_in:
         in_slots = [[("x", views[0][2] * isz), ("x2", views[1][2] * isz)], []]
+    else:
+        in_slots = [[("x", 0)], [("x2", 0)]]
     in_slots += _ROPE_IN[1:]
     out_slots = [[("y", views[0][2] * isz), ("y2", views[1][2] * isz)]] if into else [[("y", 0)], [("y2", 0)]]
 
@@ -419,9 +420,9 @@ def _v_part(qkv, views):
     return jax.lax.slice_in_dim(qkv, start, start + size, axis=axis).reshape(views[1][0])
 
 
-def _assemble(shape, views, qk, v=None):
-    """A projection of ``shape`` from its q and k parts (``qk``) and v (None: zeros)."""
-    v = jnp.zeros(views[1][0], qk[0].dtype) if v is None else v
+def _assemble(shape, views, qk):
+    """A projection of ``shape`` from its q and k parts (``qk``), its v part zeros."""
+    v = jnp.zeros(views[1][0], qk[0].dtype)
     return jnp.concatenate([_region(a, i, shape, views) for i, a in enumerate((*qk, v))],
                            axis=_regions(shape, views)[0])
 
@@ -430,8 +431,7 @@ def _set_v(d, v, views):
     """``d`` with its v region replaced by ``v`` (None: zeros); XLA updates it in place."""
     axis, regions = _regions(d.shape, views)
     v = jnp.zeros(views[1][0], d.dtype) if v is None else v
-    return jax.lax.dynamic_update_slice_in_dim(d, _region(v.astype(d.dtype), 2, d.shape, views), regions[2][0],
-                                               axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(d, _region(v, 2, d.shape, views), regions[2][0], axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
@@ -450,14 +450,12 @@ def _fused_bwd(views, with_v, layout, interleaved, cp_size, cp_rank, backward, r
     ``jax_debug_nans``/``jax_debug_infs`` the buffer is assembled from separate q and k outputs
     instead (the launch leaves the v part unspecified until it is set)."""
     shape, freqs, cu_sp = res
-    gv = g[2] if with_v else None
+    opts = (layout, interleaved, cp_size, cp_rank, not backward)
     if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
-        d = _assemble(shape, views, _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank,
-                                        not backward), gv)
+        d = _assemble(shape, views, _qk(g[0], g[1], freqs, cu_sp, *opts))
     else:
-        d = _set_v(_fused_t(g[0], g[1], freqs, cu_sp, views, shape, layout, interleaved, cp_size, cp_rank,
-                            not backward), gv, views)
-    return d, _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
+        d = _fused_t(g[0], g[1], freqs, cu_sp, views, shape, *opts)
+    return _set_v(d, g[2] if with_v else None, views), _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
