@@ -58,9 +58,13 @@ CONFIGS = {
     "decode": dict(b=64, s=1, h=32, d=128, layers=16, decode=True),
 }
 MODES = ("eager", "compile", "reduce-overhead", "jit")
-# JAX's cupy_rope_sliced_v: the fused entry without return_v, v sliced from the projection by the
-# model (its gradient added to the entry's by XLA): what return_v saves, in the same run.
-VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"), "jax": ("formula", "cupy_rope", "cupy_rope_sliced_v")}
+# JAX's cupy_rope: the fused entry with return_v and heads_major (q and k stored in the order of
+# XLA's attention). cupy_rope_row_major: without heads_major; cupy_rope_sliced_v: without either,
+# v sliced from the projection by the model (its gradient added to the entry's by XLA): what each
+# option saves, in the same run.
+EXTRA = {"cupy_rope_cache": "cache", "cupy_rope_row_major": "row_major", "cupy_rope_sliced_v": "sliced_v"}
+VARIANTS = {"torch": ("formula", "cupy_rope", "cupy_rope_cache"),
+            "jax": ("formula", "cupy_rope", "cupy_rope_row_major", "cupy_rope_sliced_v")}
 DEVICE = "cuda"  # torch models' device (a CPU run is a smoke test of the code, not a benchmark)
 KINDS = ("infer", "train")
 MAX_POS = 4096
@@ -252,9 +256,10 @@ def _jax_step(cfg, variant, kind):
         if variant == "formula":
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        elif variant == "cupy_rope":  # v from the same call: its gradient goes into the entry's buffer
-            q, k, v = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp, return_v=True)
-        else:  # cupy_rope_sliced_v
+        elif variant != "cupy_rope_sliced_v":  # v from the same call: its gradient goes into the entry's buffer
+            q, k, v = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp, return_v=True,
+                                              heads_major=variant == "cupy_rope")
+        else:
             (q, k), v = crj.apply_rope_qk_fused(qkv, freqs, "bshd", start_positions=sp), qkv[:, :, 2]
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [b, s, h, d]
         return x + o.reshape(b, s, D) @ w_o
@@ -308,7 +313,7 @@ def model_rows(configs, modes, kinds, rounds):
             rows.append(dict(framework=fw, mode=mode, config=cname, kind=kind, formula_ms=times["formula"],
                              cupy_rope_ms=times["cupy_rope"], ratio=times["cupy_rope"] / times["formula"],
                              shape=cfg, launch_cache={k: after[k] - before[k] for k in after}))
-            for variant, key in (("cupy_rope_cache", "cache"), ("cupy_rope_sliced_v", "sliced_v")):
+            for variant, key in EXTRA.items():
                 if variant in times:
                     rows[-1].update({f"{variant}_ms": times[variant],
                                      f"ratio_{key}": times[variant] / times["formula"]})

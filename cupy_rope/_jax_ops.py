@@ -63,8 +63,29 @@ def _on_gpu(*arrays) -> bool:
     return False
 
 
+_HEADS_MAJOR = {"sbhd": "bhsd", "bshd": "bhsd", "thd": "htd"}  # memory order of heads-major q/k
+
+
+def heads_major_order(layout: str) -> tuple:
+    """The major-to-minor dimension order that stores a ``layout``-shaped q or k heads-major
+    ([b, h, s, d]; thd: [h, t, d]), XLA's order for its own attention's matrix products."""
+    return tuple(layout.index(c) for c in _HEADS_MAJOR[layout])
+
+
+def _ordered(info, order):
+    """``info`` (compact) with the strides of memory order ``order`` (major to minor; None: as is)."""
+    if order is None:
+        return info
+    phys = _plan.output_strides(tuple(info.shape[dim] for dim in order))
+    st = [0] * len(order)
+    for dim, s in zip(order, phys):
+        st[dim] = s
+    return _plan.ArrayInfo(info.shape, tuple(st), info.dtype, info.device, info.ptr)
+
+
 # ----------------------------------------------------------------------------- single tensor
-def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
+def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, mem=(None, None)):
+    """x -> x' in one launch; ``mem``: the memory orders of x and x' (as :func:`_qk_impl`'s)."""
     plan = _plan.resolve_rope(_info(x), _info(freqs), layout, interleaved, _info(cu), _info(sp), cp_size,
                               cp_rank, None, backward, x_name="grad" if backward else "x")
     if not _on_gpu(x, freqs):
@@ -75,22 +96,26 @@ def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward
     _precompile(plan.launch(_info(x), _info(x), _info(freqs), _info(cu), _info(sp), 1))
 
     xs, fs, cs, ss = _shapes(x, freqs, cu, sp)
+    layouts = None if mem == (None, None) else ([mem[0], None, None, None], [mem[1]])
 
-    def build(addr, device):
-        return plan.launch(_at(xs, addr["x"], device), _at(xs, addr["y"], device), _at(fs, addr["freqs"], device),
-                           _at(cs, addr["cu_seqlens"], device), _at(ss, addr["start_positions"], device),
-                           _launch.sm_count(device))
+    def build(addr, device, ordered=False):
+        xi, yi = (_at(xs, addr[n], device) for n in ("x", "y"))
+        if ordered:
+            xi, yi = _ordered(xi, mem[0]), _ordered(yi, mem[1])
+        return plan.launch(xi, yi, _at(fs, addr["freqs"], device), _at(cs, addr["cu_seqlens"], device),
+                           _at(ss, addr["start_positions"], device), _launch.sm_count(device))
 
-    return _xla.gpu_call(jax.ShapeDtypeStruct(x.shape, x.dtype), (x, freqs, cu, sp), _ROPE_IN, [[("y", 0)]], build)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _rope(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
-    return _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward)
+    return _xla.gpu_call(jax.ShapeDtypeStruct(x.shape, x.dtype), (x, freqs, cu, sp), _ROPE_IN, [[("y", 0)]], build,
+                         layouts)
 
 
-def _rope_fwd(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward):
-    return _rope(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward), (freqs, cu, sp)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _rope(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, mem=(None, None)):
+    return _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, mem)
+
+
+def _rope_fwd(x, freqs, cu, sp, *static):
+    return _rope(x, freqs, cu, sp, *static), (freqs, cu, sp)
 
 
 def _zero_cot(a):
@@ -101,9 +126,9 @@ def _zero_cot(a):
     return jnp.zeros_like(a)
 
 
-def _rope_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
-    freqs, cu, sp = res
-    gx = _rope(g, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, not backward)
+def _rope_bwd(layout, interleaved, cp_size, cp_rank, backward, mem, res, g):
+    freqs, cu, sp = res  # the cotangent comes in the output's memory order, goes out in the input's
+    gx = _rope(g, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, not backward, mem[::-1])
     return gx, _zero_cot(freqs), _zero_cot(cu), _zero_cot(sp)
 
 
@@ -132,11 +157,13 @@ def _arrays(optional=("cu_seqlens", "start_positions"), **named) -> None:
 
 
 def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
-               cp_size=1, cp_rank=0):
+               cp_size=1, cp_rank=0, heads_major=False):
     """:func:`cupy_rope.apply_rope` for JAX arrays; jittable and differentiable in ``x``.
 
     ``cp_rank`` may be a traced integer (``jax.lax.axis_index`` inside ``shard_map``): the call
-    then switches between the ``cp_size`` static-rank versions.
+    then switches between the ``cp_size`` static-rank versions. ``heads_major``: the result
+    stored in memory order ``[b, h, s, d]`` (thd: ``[h, t, d]``), as in
+    :func:`apply_rope_qk_fused`.
 
     Example:
         >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
@@ -145,8 +172,10 @@ def apply_rope(x, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, s
         (16, 1, 2, 64)
     """
     _arrays(x=x, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    hm = _plan.check_bool("heads_major", heads_major)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
-                     lambda *o: _rope(x, freqs, cu_seqlens, start_positions, *o, False))
+                     lambda *o: _rope(x, freqs, cu_seqlens, start_positions, *o, False,
+                                      (None, heads_major_order(o[0]) if hm else None)))
 
 
 def apply_rope_backward(grad, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
@@ -172,12 +201,18 @@ def _views_info(shape, dtype, views):
     return [_plan.ArrayInfo(tuple(sh), tuple(st), np.dtype(dtype).name, ("cpu", 0), 0) for sh, st, _ in views]
 
 
-def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, views=None, out_shape=None):
+def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, views=None, out_shape=None,
+             mem=(None, None)):
     """q, k -> (q', k') in one launch. With ``views`` (fused entry) ``q`` is the fused projection
     and ``k`` None: q and k are the strided views [(shape, strides, offset)] into it. With
     ``out_shape`` as well (the fused entry's transpose) ``q`` and ``k`` are separate and the
     result is one compact array of ``out_shape`` holding q' and k' at ``views``; the rest of it is
-    zero on the CPU and unspecified on the GPU (the caller writes it)."""
+    zero on the CPU and unspecified on the GPU (the caller writes it).
+
+    ``mem`` = (order of separate q and k inputs, order of separate q' and k' outputs): memory
+    orders (major to minor, None: row-major) the XLA call declares as its operands' and results'
+    layouts, the kernel reading and writing them with those strides (the FFI launch only: a
+    buffer callback's buffers are row-major; nothing changes on the CPU)."""
     names = ("dq", "dk") if backward else ("q", "k")
     into = out_shape is not None
     views_in = views is not None and not into  # q and k read out of one projection
@@ -199,6 +234,10 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
     else:
         shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
         outs = [_info(s) for s in shapes]
+    in_order, out_order = (None if views_in else mem[0]), (None if into else mem[1])
+    layouts = None
+    if in_order is not None or out_order is not None:
+        layouts = ([in_order, in_order, None, None, None], [out_order] * len(shapes))
     if qi.size == 0 and ki.size == 0:
         zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
         return zeros[0] if into else zeros
@@ -215,15 +254,18 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
 
     fs, cs, ss = _shapes(freqs, cu, sp)
 
-    def build(addr, device):
-        xs = [_plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n]) for i, n in ((qi, "x"), (ki, "x2"))]
-        ys = [_plan.ArrayInfo(o.shape, o.strides, o.dtype, ("cuda", device), addr[n])
-              for o, n in zip(outs, ("y", "y2"))]
+    def build(addr, device, ordered=False):
+        def at(i, n, order):
+            i = _ordered(i, order) if ordered else i
+            return _plan.ArrayInfo(i.shape, i.strides, i.dtype, ("cuda", device), addr[n])
+
+        xs = [at(i, n, in_order) for i, n in ((qi, "x"), (ki, "x2"))]
+        ys = [at(o, n, out_order) for o, n in zip(outs, ("y", "y2"))]
         return _worksplit.rope_launch([pq, pk], list(zip(xs, ys)), _at(fs, addr["freqs"], device),
                                       _at(cs, addr["cu_seqlens"], device),
                                       _at(ss, addr["start_positions"], device), _launch.sm_count(device))
 
-    res = _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, out_slots, build)
+    res = _xla.gpu_call(shapes, (q, k, freqs, cu, sp), in_slots, out_slots, build, layouts)
     return res[0] if into else res
 
 
@@ -236,18 +278,18 @@ def _view(a, view):
     return flat[idx]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _qk(q, k, freqs, cu_sp, layout, interleaved, cp_size, cp_rank, backward):
-    return _qk_impl(q, k, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _qk(q, k, freqs, cu_sp, layout, interleaved, cp_size, cp_rank, backward, mem=(None, None)):
+    return _qk_impl(q, k, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, mem=mem)
 
 
 def _qk_fwd(q, k, freqs, cu_sp, *static):
     return _qk(q, k, freqs, cu_sp, *static), (freqs, cu_sp)
 
 
-def _qk_bwd(layout, interleaved, cp_size, cp_rank, backward, res, g):
-    freqs, cu_sp = res
-    gq, gk = _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank, not backward)
+def _qk_bwd(layout, interleaved, cp_size, cp_rank, backward, mem, res, g):
+    freqs, cu_sp = res  # the cotangents come in the outputs' memory order, go out in the inputs'
+    gq, gk = _qk(g[0], g[1], freqs, cu_sp, layout, interleaved, cp_size, cp_rank, not backward, mem[::-1])
     return gq, gk, _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
 
 
@@ -255,10 +297,11 @@ _qk.defvjp(_qk_fwd, _qk_bwd)
 
 
 def apply_rope_qk(q, k, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None, start_positions=None,
-                  cp_size=1, cp_rank=0):
+                  cp_size=1, cp_rank=0, heads_major=False):
     """:func:`cupy_rope.apply_rope_qk` for JAX arrays: ``(q', k')`` from one launch; jittable and
     differentiable in ``q`` and ``k``. Under ``jit`` prefer :func:`apply_rope_qk_fused` when q and
     k are slices of one projection (a slice passed to a kernel is materialised by XLA first).
+    ``heads_major``: as in :func:`apply_rope_qk_fused`.
 
     Example:
         >>> import jax.numpy as jnp, cupy_rope, cupy_rope.jax as crj
@@ -268,8 +311,10 @@ def apply_rope_qk(q, k, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=N
         ((16, 1, 4, 64), (16, 1, 2, 64))
     """
     _arrays(q=q, k=k, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
+    hm = _plan.check_bool("heads_major", heads_major)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
-                     lambda *o: _qk(q, k, freqs, (cu_seqlens, start_positions), *o, False))
+                     lambda *o: _qk(q, k, freqs, (cu_seqlens, start_positions), *o, False,
+                                    (None, heads_major_order(o[0]) if hm else None)))
 
 
 def apply_rope_qk_backward(dq, dk, freqs, layout="sbhd", *, interleaved=False, cu_seqlens=None,
@@ -434,9 +479,10 @@ def _set_v(d, v, views):
     return jax.lax.dynamic_update_slice_in_dim(d, _region(v, 2, d.shape, views), regions[2][0], axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _fused(qkv, freqs, cu_sp, views, with_v, layout, interleaved, cp_size, cp_rank, backward):
-    q, k = _qk_impl(qkv, None, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
+def _fused(qkv, freqs, cu_sp, views, with_v, layout, interleaved, cp_size, cp_rank, backward, order):
+    q, k = _qk_impl(qkv, None, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views,
+                    mem=(None, order))
     return (q, k, _v_part(qkv, views)) if with_v else (q, k)
 
 
@@ -444,7 +490,7 @@ def _fused_fwd(qkv, freqs, cu_sp, views, *static):
     return _fused(qkv, freqs, cu_sp, views, *static), (qkv.shape, freqs, cu_sp)
 
 
-def _fused_bwd(views, with_v, layout, interleaved, cp_size, cp_rank, backward, res, g):
+def _fused_bwd(views, with_v, layout, interleaved, cp_size, cp_rank, backward, order, res, g):
     """The gradient of the projection in one launch writing the q and k parts of one buffer, its v
     part then set in place (v's gradient, or zeros): the bytes of the formula's gradient. Under
     ``jax_debug_nans``/``jax_debug_infs`` the buffer is assembled from separate q and k outputs
@@ -452,29 +498,31 @@ def _fused_bwd(views, with_v, layout, interleaved, cp_size, cp_rank, backward, r
     shape, freqs, cu_sp = res
     opts = (layout, interleaved, cp_size, cp_rank, not backward)
     if jax.config.jax_debug_nans or jax.config.jax_debug_infs:
-        d = _assemble(shape, views, _qk(g[0], g[1], freqs, cu_sp, *opts))
+        d = _assemble(shape, views, _qk(g[0], g[1], freqs, cu_sp, *opts, (order, None)))
     else:
-        d = _fused_t(g[0], g[1], freqs, cu_sp, views, shape, *opts)
+        d = _fused_t(g[0], g[1], freqs, cu_sp, views, shape, *opts, order)
     return _set_v(d, g[2] if with_v else None, views), _zero_cot(freqs), tuple(_zero_cot(a) for a in cu_sp)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _fused_t(gq, gk, freqs, cu_sp, views, shape, layout, interleaved, cp_size, cp_rank, backward):
-    """The fused entry's transpose: gq, gk -> one projection-shaped buffer holding them rotated at
-    ``views`` (its v part: zeros on the CPU, unspecified on the GPU; :func:`_fused_bwd` sets it)."""
-    return _qk_impl(gq, gk, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views, shape)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def _fused_t(gq, gk, freqs, cu_sp, views, shape, layout, interleaved, cp_size, cp_rank, backward, order):
+    """The fused entry's transpose: gq, gk (in memory order ``order``) -> one projection-shaped
+    buffer holding them rotated at ``views`` (its v part: zeros on the CPU, unspecified on the
+    GPU; :func:`_fused_bwd` sets it)."""
+    return _qk_impl(gq, gk, freqs, *cu_sp, layout, interleaved, cp_size, cp_rank, backward, views, shape,
+                    mem=(order, None))
 
 
 def _fused_t_fwd(gq, gk, freqs, cu_sp, *static):
     return _fused_t(gq, gk, freqs, cu_sp, *static), (freqs, cu_sp)
 
 
-def _fused_t_bwd(views, shape, layout, interleaved, cp_size, cp_rank, backward, res, c):
+def _fused_t_bwd(views, shape, layout, interleaved, cp_size, cp_rank, backward, order, res, c):
     freqs, cu_sp = res
-    a, b = _fused(c, freqs, cu_sp, views, False, layout, interleaved, cp_size, cp_rank, not backward)
+    a, b = _fused(c, freqs, cu_sp, views, False, layout, interleaved, cp_size, cp_rank, not backward, order)
     return a, b, _zero_cot(freqs), tuple(_zero_cot(x) for x in cu_sp)
 
 
@@ -487,7 +535,7 @@ def _hashable_views(views):
 
 def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_heads=None,
                         interleaved=False, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0,
-                        return_v=False):
+                        return_v=False, heads_major=False):
     """Rotate q and k read straight out of an unsliced fused projection, in one launch.
 
     Under ``jit`` a custom call's operands are dense, so ``qkv[:, :, 0]`` would be copied before
@@ -503,6 +551,15 @@ def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_h
             buffer directly, where a v sliced from ``qkv`` separately gets its own gradient
             buffer, which XLA adds to this entry's (reading and writing the whole projection once
             more).
+        heads_major: store q' and k' heads-major, in memory order ``[b, h, s, d]`` (thd:
+            ``[h, t, d]``); their shapes, values and everything JAX shows of them stay the same.
+            It is the order XLA's own attention computes in (``jax.nn.dot_product_attention``'s
+            ``xla`` implementation, the default, and einsum attention), which then reads them
+            without first transposing them: one pass over q and k fewer, forward and backward
+            (the gradient is read in that order too). Leave it off where q and k go to an op
+            that wants them row-major (cuDNN attention, another custom call): XLA would then
+            transpose them back. Only the GPU's FFI launch declares it (XLA's layout of the
+            call's results); elsewhere the outputs are row-major as without it.
         Other arguments as :func:`apply_rope`.
 
     Returns:
@@ -520,8 +577,10 @@ def apply_rope_qk_fused(qkv, freqs, layout="sbhd", *, num_q_heads=None, num_kv_h
     _arrays(qkv=qkv, freqs=freqs, cu_seqlens=cu_seqlens, start_positions=start_positions)
     views = _hashable_views(fused_views(qkv.shape, layout, num_q_heads, num_kv_heads))
     with_v = _plan.check_bool("return_v", return_v)
+    hm = _plan.check_bool("heads_major", heads_major)
     return _per_rank(layout, interleaved, cp_size, cp_rank,
-                     lambda *o: _fused(qkv, freqs, (cu_seqlens, start_positions), views, with_v, *o, False))
+                     lambda *o: _fused(qkv, freqs, (cu_seqlens, start_positions), views, with_v, *o, False,
+                                       heads_major_order(o[0]) if hm else None))
 
 
 # ----------------------------------------------------------------------------- packed QKV

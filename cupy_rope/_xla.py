@@ -111,7 +111,7 @@ def _ptr(buf) -> int:
     return 0 if buf is None else buf.__cuda_array_interface__["data"][0]
 
 
-def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
+def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build, layouts=None):
     """Launch a kernel on XLA's stream, into the buffers XLA allocated: through the FFI handler
     (planned here, at trace time) or a buffer callback (planned at its first run).
 
@@ -120,10 +120,15 @@ def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
     device)`` returns the LaunchSpec for the addresses ``addr`` (a dict): for the FFI handler once,
     at 16-byte aligned planning addresses; for the callback once per address alignment and device,
     later calls only patch the addresses into the prepared launch.
+
+    ``layouts``: None, or (memory orders of ``arrays``, of the results), each a major-to-minor
+    dimension order or None (row-major). The FFI call declares them as its operands' and
+    results' layouts and plans with ``build(addr, device, True)``, which must then give those
+    arrays the orders' strides; the callback's buffers are row-major (``build(addr, device)``).
     """
     lib = ffi_library() if FFI else None
     if lib is not None:
-        res = _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build)
+        res = _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build, layouts)
         if res is not None:
             return res
     from jax.experimental.buffer_callback import buffer_callback
@@ -159,7 +164,7 @@ def gpu_call(result_shapes, arrays: tuple, in_slots, out_slots, build):
 _FAKE_BASE = 1 << 40  # planning addresses: buffer i at (i + 1) << 40, far apart and 16-byte aligned
 
 
-def _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build):
+def _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build, layouts=None):
     """:func:`gpu_call` through the FFI handler (``lib``); None when the GPUs differ in what the plan
     depends on (SM count, programmatic launches): the callback path plans per device."""
     import jax
@@ -177,7 +182,7 @@ def _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build):
     for a, slots in zip(arrays, in_slots):
         if a is None:
             addr.update({n: 0 for n, _ in slots})
-    spec = build(addr, devices[0])
+    spec = build(addr, devices[0], True) if layouts else build(addr, devices[0])
     _launch.check_grid(spec)
     words = np.frombuffer(spec.params, dtype="<i8").astype(np.int64)
     slot_list = []
@@ -190,6 +195,10 @@ def _ffi_call(lib, result_shapes, arrays, in_slots, out_slots, build):
             lib.cupy_rope_xla_register(spec.name.encode(), d, _launch.function(spec.name, d)[0])
             _registered.add((spec.name, d))
     geometry = [*spec.grid, spec.block, _kernels.param_blocks(spec.name), int(_launch.pdl_launcher(devices[0]) is not None)]
-    call = jax.ffi.ffi_call(TARGET, result_shapes, vmap_method="sequential")
+    kw = {}
+    if layouts:
+        outs = layouts[1] if isinstance(result_shapes, (tuple, list)) else layouts[1][0]  # one result: its layout
+        kw = {"input_layouts": [o for a, o in zip(arrays, layouts[0]) if a is not None], "output_layouts": outs}
+    call = jax.ffi.ffi_call(TARGET, result_shapes, vmap_method="sequential", **kw)
     return call(*args, kernel=spec.name, params=words, slots=np.asarray(slot_list, np.int64),
                 geometry=np.asarray(geometry, np.int64))

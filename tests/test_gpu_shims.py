@@ -1,6 +1,8 @@
 """GPU (H200): torch.compile on CUDA, CUDA graphs through the custom op, JAX jit/grad/vmap on
 the GPU, the TE drop-in on CUDA, and a small attention block trained with the torch shim."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -342,3 +344,62 @@ def test_jax_rope_qk_fused_gpu_gradient_one_buffer(xla_launch, form):
                     ref = rope_ref(c.astype(np.float32), fn_, layout="bshd", start_positions=sp_n, backward=True)
                     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
                 np.testing.assert_array_equal(gv, cots[2].astype(np.float32))
+
+
+@pytest.mark.parametrize("form", ["fused_bshd", "fused_thd_gqa", "separate_sbhd", "single_bshd"])
+def test_jax_heads_major_gpu(xla_launch, form):
+    """``heads_major``: q' and k' stored [b, h, s, d] (thd: [h, t, d]) by the FFI launch, row-major
+    by the callback. Either way q', k' and the gradient (a VJP with random cotangents) are those
+    without it, bit for bit, and an einsum reading them (XLA's attention's first product) agrees,
+    jitted with alternating inputs, in bf16 and float32."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(18)
+    fn_ = rng.uniform(-5, 5, (64, 1, 1, 96)).astype(np.float32)  # rotary 96 of 128
+    f = jnp.asarray(fn_)
+    if form == "fused_bshd":
+        shape, eq, rep = (2, 16, 3, 4, 128), "bshd,bthd->bhst", 1
+        sp = jnp.asarray(np.array([5, 11], np.int32))
+
+        def rope(t, hm):
+            return crj.apply_rope_qk_fused(t, f, "bshd", start_positions=sp, heads_major=hm)
+    elif form == "fused_thd_gqa":
+        shape, eq, rep = (40, (8 + 2 * 2) * 128), "shd,thd->hst", 4  # k's 2 heads repeated for q's 8
+        cu = jnp.asarray(np.array([0, 17, 40], np.int32))
+
+        def rope(t, hm):
+            return crj.apply_rope_qk_fused(t, f, "thd", num_q_heads=8, num_kv_heads=2, cu_seqlens=cu, heads_major=hm)
+    elif form == "separate_sbhd":
+        shape, eq, rep = (16, 2, 2, 4, 128), "sbhd,tbhd->bhst", 1  # q and k passed as two arrays
+
+        def rope(t, hm):
+            return crj.apply_rope_qk(t[:, :, 0], t[:, :, 1], f, "sbhd", heads_major=hm)
+    else:
+        shape, eq, rep = (2, 16, 2, 4, 128), "bshd,bthd->bhst", 1  # q and k rotated by two calls
+
+        def rope(t, hm):
+            return tuple(crj.apply_rope(t[:, :, i], f, "bshd", heads_major=hm) for i in (0, 1))
+
+    def run(t, cq, ck, hm):
+        (q, k), vjp = jax.vjp(functools.partial(rope, hm=hm), t)
+        s = jnp.einsum(eq, q, jnp.repeat(k, rep, axis=-2), preferred_element_type=jnp.float32)
+        return q, k, vjp((cq, ck))[0], s
+
+    fns = {hm: jax.jit(functools.partial(run, hm=hm)) for hm in (False, True)}
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        for trial in range(3):
+            t = jnp.asarray(rng.uniform(-1, 1, shape).astype(dtype))
+            q0, k0 = rope(t, False)
+            cq, ck = (jnp.asarray(rng.uniform(-1, 1, a.shape).astype(dtype)) for a in (q0, k0))
+            r0, r1 = fns[False](t, cq, ck), fns[True](t, cq, ck)
+            for a, b in zip(r0[:3], r1[:3]):
+                np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+            np.testing.assert_allclose(np.asarray(r1[3]), np.asarray(r0[3]), rtol=1e-5, atol=1e-4)
+    if xla_launch == "ffi":  # the call declares the heads-major layout of its results
+        text = jax.jit(lambda t: rope(t, True)).lower(jnp.zeros(shape, jnp.float32)).as_text()
+        assert "result_layouts = [dense<[" + ("2, 0, 1" if form == "fused_thd_gqa" else
+                                              "3, 0, 2, 1" if form == "separate_sbhd" else "3, 1, 2, 0") in text, text

@@ -194,6 +194,39 @@ def test_jax_fused_return_v_cpu(form):
         crj.apply_rope_qk_fused(jnp.asarray(qkv_n), f, "bshd", return_v=1, **fused_kw)
 
 
+@pytest.mark.parametrize("entry", ["fused", "qk", "single"])
+def test_jax_heads_major_cpu(entry):
+    """``heads_major`` (a memory order the GPU's FFI call declares) changes nothing on the CPU:
+    values and gradients those without it; anything but a bool is a named ``TypeError``."""
+    import jax
+    import jax.numpy as jnp
+
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(21)
+    qkv = jnp.asarray(rng.uniform(-1, 1, (2, 8, 3, 4, 32)).astype(np.float32))
+    f = jnp.asarray(rng.uniform(-5, 5, (16, 1, 1, 24)).astype(np.float32))
+    sp = jnp.asarray(np.array([1, 6], np.int32))
+    calls = {"fused": lambda a, hm: crj.apply_rope_qk_fused(a, f, "bshd", start_positions=sp, heads_major=hm),
+             "qk": lambda a, hm: crj.apply_rope_qk(a[:, :, 0], a[:, :, 1], f, "bshd", start_positions=sp,
+                                                   heads_major=hm),
+             "single": lambda a, hm: (crj.apply_rope(a[:, :, 0], f, "bshd", start_positions=sp, heads_major=hm),)}
+    call = calls[entry]
+    w = jnp.asarray(rng.uniform(-1, 1, (2, 8, 4, 32)).astype(np.float32))
+    for hm in (False, True):
+        out = jax.jit(lambda a, hm=hm: call(a, hm))(qkv)
+        g = jax.grad(lambda a, hm=hm: sum(((o * w) ** 2).sum() for o in call(a, hm)))(qkv)
+        if hm:
+            for a, b in zip((*out, g), (*out0, g0)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        out0, g0 = out, g
+    assert_close_to_ref(np.asarray(out0[0]), rope_ref(np.asarray(qkv[:, :, 0]), np.asarray(f), layout="bshd",
+                                                      start_positions=np.asarray(sp)), np.asarray(qkv[:, :, 0]), 24,
+                        "float32")
+    with pytest.raises(TypeError, match="`heads_major`"):
+        call(qkv, "yes")
+
+
 def test_jax_qkv_backward_split_as_the_public_api():
     """The shim's static split of the packed-QKV backward comes from the public API's own checks:
     with no KV groups (g = 0) only ``split`` gives the packed width; ``num_q_heads`` that does

@@ -152,7 +152,7 @@ def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
     views = _jax_ops._hashable_views(_jax_ops.fused_views(shape, "bshd", **kw))
     gq, gk = (rng.uniform(-1, 1, (2, 16, h, 64)).astype(np.float32) for h in (hq, hk))
     text = lowered_for_cuda(lambda a, b, f, s: _jax_ops._fused_t(a, b, f, (None, s), views, shape, "bshd", False, 1, 0,
-                                                                 True), gq, gk, fn_, sp)
+                                                                 True, None), gq, gk, fn_, sp)
     d = _poisoned(shape, np.float32)
     run_lowered(text, [_aligned(a) for a in (gq, gk, fn_, sp)], [d])
     flat = d.reshape(2, 16, -1)
@@ -170,6 +170,123 @@ def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
         grad_text = lowered_for_cuda(jax.grad(loss), np.ones(shape, np.float32))
         assert grad_text.count("stablehlo.custom_call @cupy_rope_launch") == 2, grad_text
         assert "stablehlo.dynamic_update_slice" in grad_text and "stablehlo.concatenate" not in grad_text
+
+
+
+def _m2m(order):
+    """XLA's minor-to-major text of the major-to-minor ``order``."""
+    return "dense<[" + ", ".join(str(i) for i in reversed(order)) + "]>"
+
+
+@pytest.mark.parametrize("form", ["fused_bshd", "fused_thd_gqa", "separate_sbhd"])
+def test_ffi_heads_major(lowered_for_cuda, form):
+    """``heads_major``: the forward call declares its results heads-major ([b, h, s, d]; thd
+    [h, t, d]) and the kernel writes them with those strides; the backward call declares its
+    cotangent operands so and reads them so. Run on NumPy buffers in those physical orders, the
+    results match the float64 reference, and every output element is written (poisoned first)."""
+    import cupy_rope.jax as crj
+    from cupy_rope import _jax_ops
+
+    rng = np.random.default_rng(19)
+    fn_ = rng.uniform(-5, 5, (40, 1, 1, 48)).astype(np.float32)  # rotary 48 of 64: the rest copied
+    cu = None
+    if form == "fused_bshd":
+        layout, shape, kw = "bshd", (2, 16, 3, 4, 64), {}
+        qkv = rng.uniform(-1, 1, shape).astype(np.float32)
+        qn, kn = qkv[:, :, 0], qkv[:, :, 1]
+        text = lowered_for_cuda(lambda a, f: crj.apply_rope_qk_fused(a, f, layout, heads_major=True), qkv, fn_)
+        operands = [qkv, fn_]
+    elif form == "fused_thd_gqa":
+        layout, shape, kw = "thd", (40, (8 + 2 * 2) * 64), dict(num_q_heads=8, num_kv_heads=2)
+        cu = np.array([0, 17, 40], np.int32)
+        qkv = rng.uniform(-1, 1, shape).astype(np.float32)
+        qn, kn = qkv[:, :512].reshape(40, 8, 64), qkv[:, 512:640].reshape(40, 2, 64)
+        text = lowered_for_cuda(lambda a, f, c: crj.apply_rope_qk_fused(a, f, layout, cu_seqlens=c, heads_major=True,
+                                                                        **kw), qkv, fn_, cu)
+        operands = [qkv, fn_, cu]
+    else:
+        layout = "sbhd"
+        qn, kn = (rng.uniform(-1, 1, (16, 2, h, 64)).astype(np.float32) for h in (4, 2))
+        text = lowered_for_cuda(lambda a, b, f: crj.apply_rope_qk(a, b, f, layout, heads_major=True), qn, kn, fn_)
+        operands = [qn, kn, fn_]
+    order = _jax_ops.heads_major_order(layout)
+    assert text.count(_m2m(order)) == 2, text  # both results
+    outs = [_poisoned(tuple(a.shape[i] for i in order), np.float32) for a in (qn, kn)]
+    run_lowered(text, [_aligned(a) for a in operands], outs)
+    for phys, a, name in zip(outs, (qn, kn), "qk"):
+        assert_close_to_ref(np.transpose(phys, np.argsort(order)), rope_ref(a, fn_, layout=layout, cu_seqlens=cu), a,
+                            48, "float32", name)
+
+    # the backward: cotangents read heads-major
+    gq, gk = (rng.uniform(-1, 1, a.shape).astype(np.float32) for a in (qn, kn))
+    phys_in = [_aligned(np.ascontiguousarray(np.transpose(g, order))) for g in (gq, gk)]
+    if form == "separate_sbhd":
+        text = lowered_for_cuda(lambda a, b, f: _jax_ops._qk(a, b, f, (None, None), layout, False, 1, 0, True,
+                                                             (order, None)), gq, gk, fn_)
+        outs = [_poisoned(g.shape, np.float32) for g in (gq, gk)]
+        run_lowered(text, phys_in + [_aligned(fn_)], outs)
+        got = outs
+    else:
+        views = _jax_ops._hashable_views(_jax_ops.fused_views(shape, layout, **kw))
+        text = lowered_for_cuda(lambda a, b, f, c: _jax_ops._fused_t(a, b, f, (c, None), views, shape, layout, False, 1,
+                                                                     0, True, order), gq, gk, fn_, cu)
+        d = _poisoned(shape, np.float32)
+        run_lowered(text, phys_in + [_aligned(fn_)] + ([_aligned(cu)] if cu is not None else []), [d])
+        flat = d.reshape(shape[:-3 if form == "fused_bshd" else -1] + (-1,))
+        hq, hk = gq.shape[-2], gk.shape[-2]
+        got = [flat[..., : hq * 64].reshape(gq.shape), flat[..., hq * 64: (hq + hk) * 64].reshape(gk.shape)]
+    assert text.count(_m2m(order)) == 2, text  # both cotangent operands
+    for g_got, g, name in zip(got, (gq, gk), ("dq", "dk")):
+        assert_close_to_ref(g_got, rope_ref(g, fn_, layout=layout, cu_seqlens=cu, backward=True), g, 48, "float32",
+                            name)
+
+    # the entry's gradient: the forward's results and the backward's cotangents heads-major
+    entry = rope_of = None
+    if form == "separate_sbhd":
+        def rope_of(a):
+            return crj.apply_rope_qk(a, a[..., :2, :], fn_, layout, heads_major=True)
+        entry = qn
+    else:
+        def rope_of(a):
+            return crj.apply_rope_qk_fused(a, fn_, layout, cu_seqlens=cu, heads_major=True, **kw)
+        entry = qkv
+    grad_text = lowered_for_cuda(jax.grad(lambda a: sum((o * o).sum() for o in rope_of(a))), entry)
+    m2m = f"{_m2m(order)} : tensor<{len(order)}xindex>"
+    assert grad_text.count(f"result_layouts = [{m2m}, {m2m}]") == 1, grad_text
+    assert grad_text.count(f"operand_layouts = [{m2m}, {m2m}, ") == 1, grad_text
+
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_ffi_heads_major_single_tensor(lowered_for_cuda, layout):
+    """``apply_rope(..., heads_major=True)``: the result declared and written heads-major, the
+    backward's cotangent declared and read so (the gradient's launch), on NumPy buffers in those
+    physical orders against the float64 reference, outputs poisoned first."""
+    import cupy_rope.jax as crj
+    from cupy_rope import _jax_ops
+
+    rng = np.random.default_rng(20)
+    fn_ = rng.uniform(-5, 5, (40, 1, 1, 32)).astype(np.float32)  # rotary 32 of 64
+    shape = (40, 3, 64) if layout == "thd" else (2, 20, 3, 64)
+    c = np.array([0, 13, 40], np.int32) if layout == "thd" else None
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    order = _jax_ops.heads_major_order(layout)
+    m2m = f"{_m2m(order)} : tensor<{len(order)}xindex>"
+    for backward in (False, True):
+        if backward:  # the forward's VJP: the cotangent heads-major in, the gradient row-major out
+            fn = lambda a, f, cu: _jax_ops._rope(a, f, cu, None, layout, False, 1, 0, True, (order, None))  # noqa: E731
+        else:
+            fn = lambda a, f, cu: crj.apply_rope(a, f, layout, cu_seqlens=cu, heads_major=True)  # noqa: E731
+        text = lowered_for_cuda(fn, x, fn_, c)
+        assert (f"operand_layouts = [{m2m}, " if backward else f"result_layouts = [{m2m}]") in text, text
+        x_in = np.ascontiguousarray(np.transpose(x, order)) if backward else x
+        y = _poisoned(shape if backward else tuple(shape[i] for i in order), np.float32)
+        run_lowered(text, [_aligned(a) for a in (x_in, fn_, c) if a is not None], [y])
+        got = y if backward else np.transpose(y, np.argsort(order))
+        assert_close_to_ref(got, rope_ref(x, fn_, layout=layout, cu_seqlens=c, backward=backward), x, 32, "float32")
+    grad_text = lowered_for_cuda(jax.grad(lambda a: (crj.apply_rope(a, fn_, layout, cu_seqlens=c, heads_major=True)
+                                                     ** 2).sum()), x)
+    assert f"result_layouts = [{m2m}]" in grad_text and f"operand_layouts = [{m2m}, " in grad_text, grad_text
 
 
 def test_ffi_rope_pos_cos_sin_cache(lowered_for_cuda):
