@@ -815,7 +815,8 @@ def via(case: Case, backend: str) -> str:
     framework shim's function of the same name: for torch tensors ``"torch"``
     (``cupy_rope.torch``: its own checks and autograd kernels, on CUDA its C++ launch path), for
     JAX arrays ``"jax"`` (``cupy_rope.jax``, which takes no ``out``, ``inplace`` or
-    ``transpose_output_memory``). The torch shim's ``apply_rope_backward`` takes no ``out``."""
+    ``transpose_output_memory``; its ``apply_rope`` and ``apply_rope_qk`` get ``heads_major`` on
+    half of those seeds). The torch shim's ``apply_rope_backward`` takes no ``out``."""
     shim = {"jax": "jax", "torch-cpu": "torch", "torch-cuda": "torch"}.get(backend)
     if shim == "jax" and (_has_out(case) or "inplace" in case.kw or "transpose_output_memory" in case.kw):
         shim = None
@@ -842,6 +843,8 @@ def call(case: Case, backend: str, native: dict):
         args, kw = _pos_call_args(case, native)
         return fn(*args, **kw)
     kw = _call_kwargs(case, native)
+    if case.meta.get("via") == "jax" and case.entry in ("rope", "qk"):  # a memory order only: same values
+        kw["heads_major"] = bool(np.random.default_rng([case.seed, 8]).random() < 0.5)
     pos = _positional(case, native)
     layout = kw.pop("layout", "sbhd")
     if case.entry.startswith("qkv"):
