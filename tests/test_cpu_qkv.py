@@ -18,7 +18,7 @@ GRID = list(itertools.product(("sbhd", "bshd", "thd"), (1, 2, 8), (1, 4, 8), (64
 def qkv_case(i, layout, g, n, d):
     """Case ``i`` of the grid: every option drawn independently from the case's own generator
     (dtype, rotary width, interleaving, cp, start positions and their dtype, table kinds and
-    shapes, whether k shares q's table, the input's stride pattern)."""
+    shapes, whether k shares q's table or only its address, the input's stride pattern)."""
     rng = np.random.default_rng(500 + i)
     pick = lambda options: options[int(rng.integers(0, len(options)))]  # noqa: E731
     dtype = pick(("float32", "float16", "bfloat16"))
@@ -49,8 +49,14 @@ def qkv_case(i, layout, g, n, d):
         return rng.uniform(-10, 10, shape).astype(np.float32)
 
     qf = table((rows, 1, 1, d2) if pick((True, False)) else (rows, d2))
-    # k's own table: longer, or of q's very shape (another table that q's descriptor would match)
-    kf = qf if pick((True, False)) else table(pick(((rows + 1, d2), (rows + 1, 1, 1, d2), qf.shape)))
+    k_kind = pick(("same", "own", "alias"))
+    if k_kind == "same":
+        kf = qf
+    elif k_kind == "own":  # longer, or of q's very shape (another table that q's descriptor would match)
+        kf = table(pick(((rows + 1, d2), (rows + 1, 1, 1, d2), qf.shape)))
+    else:  # at q's very address, every other row of it: not q's table, though the address is
+        base = table((2 * rows,) + qf.shape[1:])
+        qf, kf = base[:rows], base[::2]
     mode = pick(("contiguous", "permuted", "offset", "channel_stride"))
     qkv = strided(lead + (g, (n + 2) * d), dtype, rng, mode)
     return dtype, qkv, qf, kf, kw
