@@ -83,6 +83,12 @@ def _ordered(info, order):
     return _plan.ArrayInfo(info.shape, tuple(st), info.dtype, info.device, info.ptr)
 
 
+def _layouts(ins, outs):
+    """:func:`_xla.gpu_call`'s ``layouts`` for these operand and result memory orders; None where
+    all are row-major."""
+    return (list(ins), list(outs)) if any(o is not None for o in (*ins, *outs)) else None
+
+
 # ----------------------------------------------------------------------------- single tensor
 def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward, mem=(None, None)):
     """x -> x' in one launch; ``mem``: the memory orders of x and x' (as :func:`_qk_impl`'s)."""
@@ -96,7 +102,7 @@ def _rope_impl(x, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backward
     _precompile(plan.launch(_info(x), _info(x), _info(freqs), _info(cu), _info(sp), 1))
 
     xs, fs, cs, ss = _shapes(x, freqs, cu, sp)
-    layouts = None if mem == (None, None) else ([mem[0], None, None, None], [mem[1]])
+    layouts = _layouts([mem[0], None, None, None], [mem[1]])
 
     def build(addr, device, ordered=False):
         xi, yi = (_at(xs, addr[n], device) for n in ("x", "y"))
@@ -235,9 +241,7 @@ def _qk_impl(q, k, freqs, cu, sp, layout, interleaved, cp_size, cp_rank, backwar
         shapes = (jax.ShapeDtypeStruct(pq.shape, q.dtype), jax.ShapeDtypeStruct(pk.shape, q.dtype))
         outs = [_info(s) for s in shapes]
     in_order, out_order = (None if views_in else mem[0]), (None if into else mem[1])
-    layouts = None
-    if in_order is not None or out_order is not None:
-        layouts = ([in_order, in_order, None, None, None], [out_order] * len(shapes))
+    layouts = _layouts([in_order, in_order, None, None, None], [out_order] * len(shapes))
     if qi.size == 0 and ki.size == 0:
         zeros = tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
         return zeros[0] if into else zeros
