@@ -5,8 +5,8 @@
 micro: the pieces of an eager call at the decode shape; dispatch: a dispatcher trip into a Python
 kernel by schema; cprofile: the eager hot paths; model: torch.profiler tables of the model
 benchmark's compiled steps (PROBE_MODES, PROBE_KINDS, PROBE_CONFIGS), with the CUDA-graph-tree log;
-split: the model's steps timed as host enqueue and whole step, with two more variants: cupy_rope's
-op called directly and an opaque no-op custom op (same environment variables, PROBE_ROUNDS, and
+split: the model's steps timed as host enqueue and whole step, with more variants: cupy_rope's
+op called directly, an opaque no-op custom op and (infer) q and k rotated in place (same environment variables, PROBE_ROUNDS, and
 PROBE_CPROFILE=1 for cProfile tables; not in the default list); impl: the autograd-free op's call
 as Inductor makes it, against torch.empty_like (not in the default list).
 """
@@ -170,11 +170,18 @@ if "split" in what:
     # the op called directly (no cupy_rope Python traced), and an opaque no-op op (any custom op's cost)
     M.PROBE_ROPES.update(op_direct=lambda f, sp: lambda q, k: _IMPL(q, k, f, "bshd", False, None, sp, 1, 0, False),
                          noop=lambda f, sp: lambda q, k: _noop_qk(q, k))
+    # q and k rotated in place in the projection (inference only: in place is not differentiable;
+    # Inductor re-inplaces the op on the projection's buffer: no outputs to allocate)
+    _inplace = lambda f, sp: lambda q, k: crt.apply_rope_qk(q, k, f, "bshd", start_positions=sp, inplace=True)  # noqa: E731
     for cfg, mode, kind in itertools.product(os.environ.get("PROBE_CONFIGS", "decode").split(","),
                                              os.environ.get("PROBE_MODES", "compile").split(","),
                                              os.environ.get("PROBE_KINDS", "infer").split(",")):
         torch._dynamo.reset()
         steps = {}
+        if kind == "infer":
+            M.PROBE_ROPES["inplace"] = _inplace
+        else:
+            M.PROBE_ROPES.pop("inplace", None)
         for variant in (*M.VARIANTS["torch"], *M.PROBE_ROPES):
             steps[variant], _ = M._torch_step(M.CONFIGS[cfg], variant, mode, kind, reset=False)
             for _ in range(5):
