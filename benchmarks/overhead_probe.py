@@ -6,9 +6,10 @@ micro: the pieces of an eager call at the decode shape; dispatch: a dispatcher t
 kernel by schema; cprofile: the eager hot paths; model: torch.profiler tables of the model
 benchmark's compiled steps (PROBE_MODES, PROBE_KINDS, PROBE_CONFIGS), with the CUDA-graph-tree log;
 split: the model's steps timed as host enqueue and whole step, with more variants: cupy_rope's
-op called directly, an opaque no-op custom op and (infer) q and k rotated in place (same environment variables, PROBE_ROUNDS, and
-PROBE_CPROFILE=1 for cProfile tables; not in the default list); impl: the autograd-free op's call
-as Inductor makes it, against torch.empty_like (not in the default list).
+op called directly, an opaque no-op custom op and (infer) q and k rotated in place (same
+environment variables, PROBE_ROUNDS, and PROBE_CPROFILE=1 for cProfile tables; not in the default
+list); impl: the autograd-free op's call as Inductor makes it, against torch.empty_like (not in
+the default list).
 """
 from __future__ import annotations
 
