@@ -173,17 +173,14 @@ if "split" in what:
                          noop=lambda f, sp: lambda q, k: _noop_qk(q, k))
     # q and k rotated in place in the projection (inference only: in place is not differentiable;
     # Inductor re-inplaces the op on the projection's buffer: no outputs to allocate)
-    _inplace = lambda f, sp: lambda q, k: crt.apply_rope_qk(q, k, f, "bshd", start_positions=sp, inplace=True)  # noqa: E731
+    M.PROBE_ROPES["inplace"] = lambda f, sp: lambda q, k: crt.apply_rope_qk(q, k, f, "bshd", start_positions=sp,
+                                                                            inplace=True)
     for cfg, mode, kind in itertools.product(os.environ.get("PROBE_CONFIGS", "decode").split(","),
                                              os.environ.get("PROBE_MODES", "compile").split(","),
                                              os.environ.get("PROBE_KINDS", "infer").split(",")):
         torch._dynamo.reset()
         steps = {}
-        if kind == "infer":
-            M.PROBE_ROPES["inplace"] = _inplace
-        else:
-            M.PROBE_ROPES.pop("inplace", None)
-        for variant in (*M.VARIANTS["torch"], *M.PROBE_ROPES):
+        for variant in (*M.VARIANTS["torch"], *(v for v in M.PROBE_ROPES if kind == "infer" or v != "inplace")):
             steps[variant], _ = M._torch_step(M.CONFIGS[cfg], variant, mode, kind, reset=False)
             for _ in range(5):
                 steps[variant]()
