@@ -379,6 +379,28 @@ def test_lean_kernel_limits(dtype, monkeypatch):
     assert _worksplit.lean_fits({**vals, "n_heads": 1}, []) and not _worksplit.lean_fits({**vals, "n_heads": 0}, [])
 
 
+@pytest.mark.parametrize("kv_heads", [8, 7])
+def test_gqa_qk_launch_takes_lean_kernel_from_eight_heads(kv_heads, monkeypatch):
+    """With the library's own limit (``_LEAN_MIN_HEADS``, 8), a large q+k launch of grouped-query
+    attention (32 q heads, 8 k heads) runs both tensors on the lean kernel (the 8-head k no longer
+    keeps the launch on the streaming kernel: 6-8% faster on an H100, benchmarks/NOTES.md), and one
+    with a 7-head k on the streaming kernel; both against the reference on the host build."""
+    monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)  # a large launch: no one-row kernel
+    rng = np.random.default_rng(11)
+    q = rng.uniform(-2, 2, (6, 2, 32, 64)).astype(NP_DTYPES["bfloat16"])
+    k = rng.uniform(-2, 2, (6, 2, kv_heads, 64)).astype(NP_DTYPES["bfloat16"])
+    f = np.ascontiguousarray(rng.uniform(-9, 9, (12, 1, 1, 64)).astype(np.float32))
+    plans = _plan.resolve_rope_pair(info(q), info(k), info(f), "sbhd", False, None, None, 1, 0, False, False)
+    outs = tuple(np.full(p.shape, np.nan, q.dtype) for p in plans)
+    spec = _worksplit.rope_launch(plans, [(info(q), info(outs[0])), (info(k), info(outs[1]))], info(f), None, None,
+                                  sm_count=4)
+    assert spec.name.split("_")[0] == ("ropel" if kv_heads >= 8 else "rope")
+    yq, yk = _hostkernels.run_rope_qk(plans, q, k, f, outs=outs)
+    kw = dict(layout="sbhd", interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0)
+    assert_close_to_ref(yq, rope_ref(q, f, **kw), q, 64, "bfloat16", spec.name)
+    assert_close_to_ref(yk, rope_ref(k, f, **kw), k, 64, "bfloat16", spec.name)
+
+
 def test_lean_rows_come_from_the_kernel_define(monkeypatch):
     """The lean kernel's rows per thread have one definition, the source's CUPY_ROPE_LEAN_ROWS (or
     a build's -D override of it, as the benchmark harness's tuning sets): the launch layer splits
