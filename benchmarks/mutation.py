@@ -42,6 +42,7 @@ TESTS = ["tests/test_launch_cache.py", "tests/test_instantiations.py", "tests/te
          "tests/test_cpu_matrix.py::test_work_split_ends", "tests/test_cpu_matrix.py::test_one_row_angle_launch_width",
          "tests/test_cpu_matrix.py::test_odd_units_split", "tests/test_cpu_matrix.py::test_one_row_shared_sincos",
          "tests/test_cpu_matrix.py::test_lean_kernel_limits", "tests/test_cpu_matrix.py::test_lean_rows_come_from_the_kernel_define",
+         "tests/test_cpu_matrix.py::test_gqa_qk_launch_takes_lean_kernel_from_eight_heads",
          "tests/test_cpu_matrix.py::test_host_kernels_invalid_negative_cu_seqlens",
          "tests/test_cpu_matrix.py::test_host_build_raises_on_misaligned_vectors",
          "tests/test_safety.py", "tests/test_errors.py", "tests/test_arguments.py", "tests/test_shims_cpu.py",
