@@ -1,0 +1,143 @@
+"""A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``),
+bf16, d 128, angle table.
+
+    python benchmarks/lean_limits_probe.py [--limit heads|seqs] [--values V,V] [--rounds 5] [--json FILE]
+
+``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
+heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
+no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed), where
+each lean thread searches ``cu_seqlens`` for its token's sequence.
+
+Per case: the kernel each value launches, whether the outputs are bit-identical across values,
+and device µs per call from CUDA-graph replays (``benchmark.graph_time``) of six distinct input
+sets (so that L2 does not hold them), the values' rounds interleaved, with a copy of the same bytes.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import cupy_rope  # noqa: E402
+from cupy_rope import _api, _launch, _worksplit  # noqa: E402
+from cupy_rope._dev.benchmark import graph_time  # noqa: E402
+
+# --limit heads; name: (layout, token dims, q heads (0: k alone), k heads, q and k views of one
+# fused projection)
+HEAD_CASES = {
+    "sbhd q32+k8 4096x2": ("sbhd", (4096, 2), 32, 8, False),
+    "bshd q32+k8 2x4096": ("bshd", (2, 4096), 32, 8, False),
+    "sbhd q32+k8 views of a fused projection": ("sbhd", (4096, 2), 32, 8, True),
+    "bshd q64+k8 1x8192": ("bshd", (1, 8192), 64, 8, False),
+    "bshd k8 alone 2x8192": ("bshd", (2, 8192), 0, 8, False),
+    "sbhd q12+k12 4096x4": ("sbhd", (4096, 4), 12, 12, False),
+}
+# --limit seqs; name: (tokens, q heads, k heads (0: q alone), sequences)
+SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, hk, n) for t, hq, hk, n in [
+    (65536, 16, 0, 64), (65536, 16, 0, 1024), (65536, 16, 0, 2048), (65536, 16, 0, 4096),
+    (65536, 16, 0, 16384), (65536, 16, 0, 65536), (16384, 32, 8, 1024), (16384, 32, 8, 4096),
+    (16384, 32, 8, 8192), (8192, 32, 0, 512)]}
+LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8"), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824")}
+SETS = 6
+KERNELS = []  # (kernel, grid, block) of each launch the Python path makes
+_launch_gpu = _api._launch_gpu
+
+
+def _recording_launch(spec, *args):
+    KERNELS.append((spec.name, spec.grid, spec.block))
+    return _launch_gpu(spec, *args)
+
+
+def set_limit(name: str, v: int) -> None:
+    """The limit for this process; the launch caches dropped (their launches were planned with the
+    previous limit): the debug switch clears the C++ caches, then the Python one."""
+    setattr(_worksplit, name, v)
+    cupy_rope.set_debug(True)
+    cupy_rope.set_debug(False)
+    _launch._CACHE.clear()
+
+
+def _randn(*shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+def head_case(case, f):
+    """Calls on SETS input sets of a ``--limit heads`` case: q (None: k alone) and k, contiguous or
+    views of one fused projection."""
+    layout, lead, hq, hk, fused = case
+    calls = []
+    for _ in range(SETS):
+        if fused:
+            p = _randn(*lead, (hq + 2 * hk) * 128)
+            q = p[..., : hq * 128].unflatten(-1, (hq, 128))
+            k = p[..., hq * 128: (hq + hk) * 128].unflatten(-1, (hk, 128))
+        else:
+            q, k = (_randn(*lead, hq, 128) if hq else None), _randn(*lead, hk, 128)
+        calls.append((lambda q=q, k=k: cupy_rope.apply_rope_qk(q, k, f, layout)) if hq
+                     else (lambda k=k: (cupy_rope.apply_rope(k, f, layout),)))
+    return calls, (hq + hk) * lead[0] * lead[1] * 128
+
+
+def seq_case(case, f):
+    """Calls on SETS input sets of a ``--limit seqs`` case: thd q (and k) of ``tokens`` tokens in
+    ``n`` sequences of random lengths (at least one token each)."""
+    t, hq, hk, n = case
+    g = torch.Generator().manual_seed(n)
+    cuts = torch.sort(torch.randperm(t - 1, generator=g)[: n - 1] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]).to(torch.int32).cuda()
+    calls = []
+    for _ in range(SETS):
+        q, k = _randn(t, hq, 128), (_randn(t, hk, 128) if hk else None)
+        calls.append((lambda q=q, k=k: cupy_rope.apply_rope_qk(q, k, f, "thd", cu_seqlens=cu)) if hk
+                     else (lambda q=q: (cupy_rope.apply_rope(q, f, "thd", cu_seqlens=cu),)))
+    return calls, (hq + hk) * t * 128
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", choices=sorted(LIMITS), default="heads", help="which limit to vary")
+    ap.add_argument("--values", help="comma-separated values of the limit (default: by --limit)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    attr, default = LIMITS[a.limit]
+    values = [int(v) for v in (a.values or default).split(",")]
+    cases, make = (HEAD_CASES, head_case) if a.limit == "heads" else (SEQ_CASES, seq_case)
+    _api._launch_gpu = _recording_launch
+    torch.manual_seed(0)
+    rows = max(c[0] for c in SEQ_CASES.values())
+    f = torch.from_numpy(cupy_rope.rope_freqs(128, rows)).cuda().reshape(rows, 1, 1, 128)
+    res = {}
+    for name, case in cases.items():
+        calls, elems = make(case, f)
+        nbytes = elems * 2 * 2  # bf16, read and written
+        src = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
+        dst = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
+        r = {"kernel": {}, "us": {str(v): [] for v in values}, "copy_us": []}
+        outs = []
+        for v in values:
+            set_limit(attr, v)
+            KERNELS.clear()
+            outs.append(calls[0]())
+            r["kernel"][str(v)] = KERNELS[0][0] if KERNELS else None
+        r["bit_identical"] = all(torch.equal(x, y) for out in outs[1:] for x, y in zip(outs[0], out))
+        for _ in range(a.rounds):
+            for v in values:
+                set_limit(attr, v)
+                r["us"][str(v)].append(round(graph_time(calls), 2))
+            r["copy_us"].append(round(graph_time([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)]), 2))
+        res[name] = r
+        med = {v: statistics.median(t) for v, t in r["us"].items()}
+        print(f"{name}: " + ", ".join(f"{v}: {r['kernel'][v]} {m:.2f} us" for v, m in med.items())
+              + f"; copy {statistics.median(r['copy_us']):.2f} us; bit-identical {r['bit_identical']}", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "limit": attr, "cases": res}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
