@@ -34,7 +34,8 @@ def _load(path):
 def _env_line(data, path):
     e = data["env"]
     return (f"Measured {e['date']} on one {e['device']} with torch {e['torch']}, CuPy {e.get('cupy', '?')}, "
-            f"JAX {e.get('jax', '?')}; command `{e['command']}`; results `{path}`.")
+            f"JAX {e.get('jax', '?')}; command `{e['command']}`; results `{path}`."
+            + (f" Host: {e['host']}." if e.get("host") else ""))
 
 
 def _pct(v):
