@@ -1,7 +1,8 @@
 """A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``),
 bf16, d 128, angle table.
 
-    python benchmarks/lean_limits_probe.py [--limit heads|seqs] [--values V,V] [--rounds 5] [--json FILE]
+    python benchmarks/lean_limits_probe.py [--limit heads|seqs] [--values V,V] [--rounds 5] [--defines D;D]
+                                           [--json FILE]
 
 ``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
 heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import cupy_rope  # noqa: E402
-from cupy_rope import _api, _launch, _worksplit  # noqa: E402
+from cupy_rope import _api, _kernels, _launch, _worksplit  # noqa: E402
 from cupy_rope._dev.benchmark import graph_time  # noqa: E402
 
 # --limit heads; name: (layout, token dims, q heads (0: k alone), k heads, q and k views of one
@@ -102,8 +103,11 @@ def main():
     ap.add_argument("--limit", choices=sorted(LIMITS), default="heads", help="which limit to vary")
     ap.add_argument("--values", help="comma-separated values of the limit (default: by --limit)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--defines", default="", help="kernel build defines for the whole run, ';'-separated "
+                    "(as run.py --tune DEFINES=...), e.g. a patch's -DCUPY_TMP_... variant")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
+    _kernels.DEFINES = tuple(d for d in a.defines.split(";") if d)
     attr, default = LIMITS[a.limit]
     values = [int(v) for v in (a.values or default).split(",")]
     cases, make = (HEAD_CASES, head_case) if a.limit == "heads" else (SEQ_CASES, seq_case)
@@ -136,7 +140,8 @@ def main():
               + f"; copy {statistics.median(r['copy_us']):.2f} us; bit-identical {r['bit_identical']}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "limit": attr, "cases": res}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "limit": attr, "defines": list(_kernels.DEFINES),
+                       "cases": res}, fh, indent=1)
 
 
 if __name__ == "__main__":
