@@ -23,7 +23,7 @@ from cupy_rope._dev.benchmark import SERVING_ROWS, markdown  # noqa: E402
 
 RESULTS = "benchmarks/results/h200.json"
 README_ROWS = (1, 2, 3, 4, 5, 9, 10)
-PEERS = ("torch.compile", "Liger", "torch eager")
+PEERS = ("torch.compile", "JAX jit", "Liger", "torch eager")
 
 
 def _load(path):
