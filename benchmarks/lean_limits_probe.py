@@ -66,6 +66,14 @@ def _randn(*shape):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
 
+def _call(a, b, f, layout, **kw):
+    """One launch as a call returning its outputs: ``a`` and ``b`` rotated together, or ``a`` alone
+    where ``b`` is None."""
+    if b is None:
+        return lambda: (cupy_rope.apply_rope(a, f, layout, **kw),)
+    return lambda: cupy_rope.apply_rope_qk(a, b, f, layout, **kw)
+
+
 def head_case(case, f):
     """Calls on SETS input sets of a ``--limit heads`` case: q (None: k alone) and k, contiguous or
     views of one fused projection."""
@@ -78,8 +86,7 @@ def head_case(case, f):
             k = p[..., hq * 128: (hq + hk) * 128].unflatten(-1, (hk, 128))
         else:
             q, k = (_randn(*lead, hq, 128) if hq else None), _randn(*lead, hk, 128)
-        calls.append((lambda q=q, k=k: cupy_rope.apply_rope_qk(q, k, f, layout)) if hq
-                     else (lambda k=k: (cupy_rope.apply_rope(k, f, layout),)))
+        calls.append(_call(q, k, f, layout) if hq else _call(k, None, f, layout))
     return calls, (hq + hk) * lead[0] * lead[1] * 128
 
 
@@ -93,8 +100,7 @@ def seq_case(case, f):
     calls = []
     for _ in range(SETS):
         q, k = _randn(t, hq, 128), (_randn(t, hk, 128) if hk else None)
-        calls.append((lambda q=q, k=k: cupy_rope.apply_rope_qk(q, k, f, "thd", cu_seqlens=cu)) if hk
-                     else (lambda q=q: (cupy_rope.apply_rope(q, f, "thd", cu_seqlens=cu),)))
+        calls.append(_call(q, k, f, "thd", cu_seqlens=cu))
     return calls, (hq + hk) * t * 128
 
 
