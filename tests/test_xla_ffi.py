@@ -382,3 +382,62 @@ def test_ffi_build_failure(monkeypatch):
     monkeypatch.setenv("CUPY_ROPE_XLA_FFI", "1")
     with pytest.raises(RuntimeError, match="planted"):
         _xla.ffi_library()
+
+
+def test_callback_path_addresses(monkeypatch):
+    """The buffer-callback launch (where the FFI handler is unavailable) gives each address name
+    its buffer's address plus the slot's byte offset (0 for an absent input), plans once per device
+    and 16-byte alignment of the addresses, and patches each later call's addresses into that
+    plan. Checked with fake XLA buffers, a fake ``buffer_callback`` and a fake prepared launch."""
+    import jax.experimental.buffer_callback as jbc
+
+    from cupy_rope import _launch, _xla
+
+    class Buf:  # an XLA buffer as the callback sees it: a CUDA address and a device
+        def __init__(self, ptr, device=0):
+            self.__cuda_array_interface__ = {"data": (ptr, False)}
+            self.device = device
+
+        def __dlpack_device__(self):
+            return (2, self.device)
+
+    class Ctx:
+        stream = 77
+
+    plans, launches, made = [], [], {}
+
+    class Prepared:
+        def __init__(self, spec, device, names):
+            plans.append((spec, device, names))
+
+        def __call__(self, stream, addrs):
+            launches.append((stream, addrs))
+
+    def fake_buffer_callback(callback, result_shapes, **kw):
+        made["callback"] = callback
+        return lambda *args: args
+
+    monkeypatch.setattr(_xla, "FFI", False)
+    monkeypatch.setattr(jbc, "buffer_callback", fake_buffer_callback)
+    monkeypatch.setattr(_launch, "Prepared", Prepared)
+    in_slots = ((("x", 0), ("x2", 256)), (("cu", 0),), (("t", 32),))
+    out_slots = ((("y", 0), ("y2", 512)),)
+    x, t = object(), object()
+    assert _xla.gpu_call("shapes", (x, None, t), in_slots, out_slots, lambda addr, d: ("spec", dict(addr), d)) == (x, t)
+    names = ("x", "x2", "cu", "t", "y", "y2")
+
+    def run(yp, xp, tp, device=0):
+        made["callback"](Ctx, Buf(yp, device), Buf(xp, device), Buf(tp, device))
+        return launches[-1]
+
+    expect = [0x10000, 0x10000 + 256, 0, 0x20000 + 32, 0x30000, 0x30000 + 512]
+    assert run(0x30000, 0x10000, 0x20000) == (77, expect)
+    assert plans == [(("spec", dict(zip(names, expect)), 0), 0, names)]
+    # the same alignments: the plan is reused, the new addresses patched in
+    assert run(0x70000, 0x50000, 0x60010) == (77, [0x50000, 0x50100, 0, 0x60030, 0x70000, 0x70200])
+    assert len(plans) == 1
+    # another alignment of one buffer, or another device: a plan of its own
+    run(0x70000, 0x50008, 0x60010)
+    assert len(plans) == 2 and plans[-1][0][1]["x"] == 0x50008 and plans[-1][0][1]["x2"] == 0x50108
+    run(0x70000, 0x50000, 0x60010, device=1)
+    assert len(plans) == 3 and plans[-1][1] == 1
