@@ -1,13 +1,15 @@
-"""A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``),
-bf16, d 128, angle table.
+"""A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``,
+``_LEAN_MAX_FAST_SEQS``), bf16, d 128, angle table.
 
-    python benchmarks/lean_limits_probe.py [--limit heads|seqs] [--values V,V] [--rounds 5] [--defines D;D]
+    python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs] [--values V,V] [--rounds 5] [--defines D;D]
                                            [--json FILE]
 
 ``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
 heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
 no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed), where
-each lean thread searches ``cu_seqlens`` for its token's sequence.
+each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs`` (values
+default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the limit
+for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more.
 
 Per case: the kernel each value launches, whether the outputs are bit-identical across values,
 and device µs per call from CUDA-graph replays (``benchmark.graph_time``) of six distinct input
@@ -41,8 +43,10 @@ HEAD_CASES = {
 SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, hk, n) for t, hq, hk, n in [
     (65536, 16, 0, 64), (65536, 16, 0, 1024), (65536, 16, 0, 2048), (65536, 16, 0, 4096),
     (65536, 16, 0, 16384), (65536, 16, 0, 65536), (16384, 32, 8, 1024), (16384, 32, 8, 4096),
-    (16384, 32, 8, 8192), (8192, 32, 0, 512)]}
-LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8"), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824")}
+    (16384, 32, 8, 8192), (8192, 32, 0, 512), (32768, 16, 0, 1024), (131072, 16, 0, 2048),
+    (16384, 32, 0, 256), (32768, 32, 8, 1024), (65536, 16, 0, 1536)]}
+LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8"), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824"),
+          "fastseqs": ("_LEAN_MAX_FAST_SEQS", "64,2048")}
 SETS = 6
 KERNELS = []  # (kernel, grid, block) of each launch the Python path makes
 _launch_gpu = _api._launch_gpu

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on a few benchmark rows (device tool): NAME:DIR:ROW:WHAT[:ENV=V,ENV=V] ...
-# DIR: the checkout to run from (. or a copy of an older tree). Reports go to $OUT.
+# DIR: the checkout to run from (. or a copy of an older tree). Reports go to $OUT. NCU_EXTRA: more
+# metrics (e.g. local memory: l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum).
 export PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/cupy_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=smsp__average_warps_issue_stalled_
@@ -8,6 +9,7 @@ METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapse
 for r in long_scoreboard short_scoreboard wait math_pipe_throttle lg_throttle mio_throttle drain no_instruction not_selected selected dispatch_stall imc_miss branch_resolving barrier membar tex_throttle; do
   METRICS=$METRICS,${M}${r}_per_issue_active.ratio
 done
+METRICS=$METRICS${NCU_EXTRA:+,$NCU_EXTRA}  # more metrics, comma-separated
 for spec in "$@"; do
   IFS=: read -r name dir row what envs <<< "$spec"
   echo "== $name ($dir row $row $what $envs)"

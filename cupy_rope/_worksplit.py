@@ -87,7 +87,12 @@ _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 # branches (H200, medians): 65536 tokens in 1024 / 2048 / 4096 sequences 150.5 / 147.9, 150.5 /
 # 154.1, 150.8 / 159.5; q32+k8, 16384 tokens in 1024 sequences 97.0 / 99.5; 8192 tokens in 512
 # sequences 42.3 / 46.1 (an H100 favours lean up to 2048 sequences): hence at most _LEAN_MAX_SEQS
-# sequences, 64. Two rows per thread: 40.0-40.2, 22.3, 149-151, 166-168, 18.6, 27.1-27.4, 40.3. The
+# sequences, 64. Where the search runs in 32 bits (contiguous int32 cu_seqlens, cp_size 1; the
+# kernels' token_position), H200, medians, streaming / lean: 65536 tokens in 1024 / 2048 / 4096
+# sequences 149.8 / 140.9, 149.9 / 146.1, 150.0 / 151.9; q32+k8, 16384 tokens in 1024 / 4096
+# sequences 96.4 / 93.4, 96.5 / 99.0; 8192 tokens in 512 sequences 41.8 / 43.1: so such launches
+# also take it up to _LEAN_MAX_FAST_SEQS sequences, 2048, of _LEAN_MIN_SEQ_TOKENS tokens, 32, or
+# more on average (benchmarks/NOTES.md, thirty-sixth session). Two rows per thread: 40.0-40.2, 22.3, 149-151, 166-168, 18.6, 27.1-27.4, 40.3. The
 # first lean body lost on 8 heads (bshd 2x8192x8x128, 20.9 / 21.7); the one without per-row
 # branches does not: H200, bshd 2x8192x8x128 forward 21.08, 20.82 / 21.06, 20.59; q+k of 32 + 8
 # heads (GQA: the 8-head k kept the whole launch off the lean kernel) H200 49.0 / 46.3, H100
@@ -95,11 +100,14 @@ _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 # hence at least _LEAN_MIN_HEADS heads, 8 (fewer not measured). Rows with pass-through channels
 # stay on the mixed kernel: a lean variant that copied tail units ran sbhd d2 64 of 128
 # interleaved at 47.0-47.6 against 43.0-43.9 (benchmarks/NOTES.md). Fixed like the constants
-# above; --tune LEAN=0|1, LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N change them,
+# above; --tune LEAN=0|1, LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N,
+# LEAN_MIN_SEQ_TOKENS=N change them,
 # DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
 _LEAN = True
 _LEAN_MIN_HEADS = 8
 _LEAN_MAX_SEQS = 64
+_LEAN_MAX_FAST_SEQS = 2048
+_LEAN_MIN_SEQ_TOKENS = 32
 _OFFSET_LIMIT = 2**31  # the lean kernel's 32-bit element offsets
 
 
@@ -195,12 +203,19 @@ def lean_fits(vals: dict, arrays) -> bool:
     """Whether the lean kernel (``ropel``) runs a rope launch's tensor: its parameter block's
     values ``vals`` (an angle table with contiguous columns, every unit of a row rotated, at least
     ``_LEAN_MIN_HEADS`` heads and never none: the kernel has no thread without a row, at most
-    ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``) and its ``arrays`` (input, output: every
-    element offset below ``_OFFSET_LIMIT``)."""
+    ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``, or at most ``_LEAN_MAX_FAST_SEQS`` of
+    ``_LEAN_MIN_SEQ_TOKENS`` tokens or more on average where the kernels search ``cu_seqlens`` in
+    32 bits: contiguous int32, ``cp_size`` 1) and its ``arrays`` (input, output: every element
+    offset below ``_OFFSET_LIMIT``)."""
     if vals["f_kind"] != _abi.ANGLES or vals["f_scol"] != 1 or vals["n_rot_units"] != vals["n_units"]:
         return False
-    if vals["n_heads"] < max(_LEAN_MIN_HEADS, 1) or (vals["pos.cu_seqlens"] and vals["pos.nseq"] > _LEAN_MAX_SEQS):
+    if vals["n_heads"] < max(_LEAN_MIN_HEADS, 1):
         return False
+    nseq = vals["pos.nseq"] if vals["pos.cu_seqlens"] else 0
+    if nseq > _LEAN_MAX_SEQS:
+        fast = not vals["pos.cu_is64"] and vals["pos.cu_stride"] == 1 and vals["pos.cp_size"] == 1
+        if not (fast and nseq <= _LEAN_MAX_FAST_SEQS and vals["n_tok"] >= _LEAN_MIN_SEQ_TOKENS * nseq):
+            return False
     return all(sum(abs(s) * (n - 1) for n, s in zip(a.shape, norm_strides(a.shape, a.strides))) < _OFFSET_LIMIT
                for a in arrays)
 

@@ -340,28 +340,33 @@ def test_odd_units_split(dtype, monkeypatch):
 def test_lean_kernel_limits(dtype, monkeypatch):
     """Large launches with an angle table take the lean kernel (``ropel``) exactly where it can
     run and is faster: contiguous table columns, full rotary rows, at least ``_LEAN_MIN_HEADS``
-    heads, at most ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``, every element offset of x and
-    y below ``_OFFSET_LIMIT`` (its 32-bit arithmetic); the streaming kernels take the rest. Each
-    launch, on both sides of each limit, is checked against the reference on the host build."""
+    heads, at most ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens`` (or ``_LEAN_MAX_FAST_SEQS`` of
+    ``_LEAN_MIN_SEQ_TOKENS`` tokens on average, where the search runs in 32 bits: contiguous int32
+    ``cu_seqlens``, ``cp_size`` 1), every element offset of x and y below ``_OFFSET_LIMIT`` (its
+    32-bit arithmetic); the streaming kernels take the rest. Each launch, on both sides of each
+    limit, is checked against the reference on the host build."""
     monkeypatch.setattr(_worksplit, "_THREADS_PER_SM", 1)
     monkeypatch.setattr(_worksplit, "_LEAN", True)
     monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 16)
     rng = np.random.default_rng(5)
     d = 64
 
-    def launch(heads=16, d2=d, table="dense", cu=None, limit=2**31, seqs=64, il=False):
+    def launch(heads=16, d2=d, table="dense", cu=None, limit=2**31, seqs=64, il=False, fast_seqs=0, seq_tokens=1,
+               cp=1):
         monkeypatch.setattr(_worksplit, "_OFFSET_LIMIT", limit)
         monkeypatch.setattr(_worksplit, "_LEAN_MAX_SEQS", seqs)
+        monkeypatch.setattr(_worksplit, "_LEAN_MAX_FAST_SEQS", fast_seqs)
+        monkeypatch.setattr(_worksplit, "_LEAN_MIN_SEQ_TOKENS", seq_tokens)
         layout = "thd" if cu is not None else "sbhd"
         x = rng.uniform(-2, 2, ((12,) if cu is not None else (6, 2)) + (heads, d)).astype(NP_DTYPES[dtype])
         wide = rng.uniform(-9, 9, (12, 1, 1, 2 * d2 + 4)).astype(np.float32)
         f = {"dense": wide[..., :d2], "strided": wide[..., : 2 * d2: 2]}[table]
         f = f if table == "strided" else np.ascontiguousarray(f)
-        plan = _plan.resolve_rope(info(x), info(f), layout, il, info(cu), None, 1, 0, None, False)
+        plan = _plan.resolve_rope(info(x), info(f), layout, il, info(cu), None, cp, cp - 1, None, False)
         out = np.full(x.shape, np.nan, x.dtype)
         name = plan.launch(info(x), info(out), info(f), info(cu), None, 4).name
         y = _hostkernels.run_rope(plan, x, f, cu, out=out)
-        kw = dict(layout=layout, interleaved=il, cu_seqlens=cu, cp_size=1, cp_rank=0)
+        kw = dict(layout=layout, interleaved=il, cu_seqlens=cu, cp_size=cp, cp_rank=cp - 1)
         assert_close_to_ref(y, rope_ref(x, f, **kw), x, d2, dtype, name)
         return name.split("_")[0]
 
@@ -373,6 +378,14 @@ def test_lean_kernel_limits(dtype, monkeypatch):
     assert launch(table="strided") == "rope"  # table columns two floats apart
     assert launch(limit=size - 1) == "rope" and launch(limit=size) == "ropel"  # offsets in 31 bits
     assert launch(cu=cu, seqs=2) == "rope" and launch(cu=cu, seqs=3) == "ropel"  # sequences
+    # more sequences where the kernels search cu_seqlens in 32 bits: 3 sequences of 12 tokens
+    fast = dict(cu=cu, seqs=2, fast_seqs=3, seq_tokens=4)
+    assert launch(**fast) == "ropel"
+    assert launch(**{**fast, "fast_seqs": 2}) == "rope" and launch(**{**fast, "seq_tokens": 5}) == "rope"
+    assert launch(**{**fast, "cu": cu.astype(np.int64)}) == "rope"  # the 64-bit search
+    assert launch(**{**fast, "cu": np.repeat(cu, 2)[::2]}) == "rope"  # a strided cu_seqlens
+    cu4 = np.array([0, 4, 8, 12], np.int32)  # context parallelism: lengths of 2 cp_size
+    assert launch(**{**fast, "cu": cu4}) == "ropel" and launch(**{**fast, "cu": cu4, "cp": 2}) == "rope"
     # a tensor without heads (k of a q+k launch) never: the lean kernel has no thread without a row
     monkeypatch.setattr(_worksplit, "_LEAN_MIN_HEADS", 0)
     vals = {"f_kind": _abi.ANGLES, "f_scol": 1, "n_rot_units": 4, "n_units": 4, "pos.cu_seqlens": 0, "pos.nseq": 0}

@@ -640,7 +640,7 @@ def plot(rows, path):
 # DEFINES, the kernel build's extra defines
 _TUNE_INTS = ("THREADS_PER_SM", "MAX_VEC_BYTES", "ONE_ROW_BLOCK", "ONE_ROW_ANGLE_VEC", "MIXED", "ODD_UNITS_FACTOR",
               "ODD_UNITS_MIN_ROWS", "SHARE_SINCOS", "NARROW_THREADS_PER_SM", "NARROW_SHARED_THREADS_PER_SM", "TWO_ROWS",
-              "LEAN", "LEAN_MIN_HEADS", "LEAN_MAX_SEQS")
+              "LEAN", "LEAN_MIN_HEADS", "LEAN_MAX_SEQS", "LEAN_MAX_FAST_SEQS", "LEAN_MIN_SEQ_TOKENS")
 _TUNE_BOOLS = ("MIXED", "SHARE_SINCOS", "TWO_ROWS", "LEAN")
 
 
@@ -671,7 +671,7 @@ def main(argv=None):
                     "THREADS_PER_SM=N, MAX_VEC_BYTES=N (0: 16), ONE_ROW_BLOCK=N, ONE_ROW_ANGLE_VEC=N (0: any), "
                     "MIXED=0|1, ODD_UNITS_FACTOR=N, ODD_UNITS_MIN_ROWS=N, SHARE_SINCOS=0|1, NARROW_THREADS_PER_SM=N, "
                     "NARROW_SHARED_THREADS_PER_SM=N, TWO_ROWS=0|1, LEAN=0|1, LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N, "
-                    "DEFINES=-DNAME=V;-DNAME=V (kernel build)")
+                    "LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N, DEFINES=-DNAME=V;-DNAME=V (kernel build)")
     a = ap.parse_args(argv)
     apply_tuning(a.tune, ap)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
