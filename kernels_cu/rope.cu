@@ -327,7 +327,7 @@ __device__ __forceinline__ void rope_lean_body(const RopeParams& p, unsigned blk
 #define CUPY_ROPE_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPEM_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
-  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPE_MIN_BLOCKS)
+  CUPY_ROPE_ENTRY_PAIR(NAME, cupy_rope::RopeParams, (cupy_rope::rope_body<T, V, INTERLEAVED, BACKWARD, true>), CUPY_ROPEM_MIN_BLOCKS)
 #define CUPY_ROPE1_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \
   CUPY_ROPE_ENTRY_PAIR_EXCHANGE(NAME, cupy_rope::RopeParams, (cupy_rope::rope_one_body<T, V, INTERLEAVED, BACKWARD, false>), CUPY_ROPE_MIN_BLOCKS)
 #define CUPY_ROPE1C_KERNEL(NAME, T, V, INTERLEAVED, BACKWARD) \

@@ -588,13 +588,19 @@ constexpr int kAnyMode = -1;
 #ifndef CUPY_ROPE_ASYNC_DEPTH
 #define CUPY_ROPE_ASYNC_DEPTH 2
 #endif
+// The mixed kernels' depth (ropem_; stream_unit's MIXED), by default the others'.
+#ifndef CUPY_ROPEM_ASYNC_DEPTH
+#define CUPY_ROPEM_ASYNC_DEPTH CUPY_ROPE_ASYNC_DEPTH
+#endif
 #ifndef CUPY_ROPE_SHARED
 #define CUPY_ROPE_SHARED __shared__
 #endif
 #if CUPY_ROPE_ASYNC
 // Slot (j, vector w) of thread t: word (2 j + w) * blockDim.x + t of ring_slots (consecutive
-// threads, consecutive 16-byte words: conflict-free).
-CUPY_ROPE_SHARED uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * (CUPY_ROPE_ASYNC_DEPTH + 1)];
+// threads, consecutive 16-byte words: conflict-free); slots for the deeper of the two depths.
+constexpr int kRingSlots =
+    (CUPY_ROPE_ASYNC_DEPTH > CUPY_ROPEM_ASYNC_DEPTH ? CUPY_ROPE_ASYNC_DEPTH : CUPY_ROPEM_ASYNC_DEPTH) + 1;
+CUPY_ROPE_SHARED uint4 ring_slots[CUPY_ROPE_BLOCK * 2 * kRingSlots];
 #endif
 
 // One (cos, sin) per thread of a block (at most CUPY_ROPE_BLOCK threads), written and read around
@@ -669,13 +675,14 @@ __device__ __forceinline__ void rotate_row(int mode, Vec<T, V>& a, Vec<T, V>& b,
 }
 
 #if CUPY_ROPE_ASYNC
-// A thread's ring: CUPY_ROPE_ASYNC_DEPTH + 1 slots of two 16-byte vectors. Rows are issued into
-// the slots in order (fill) and read back in order (s).
-struct Ring {
+// A thread's ring: DEPTH + 1 slots of two 16-byte vectors (DEPTH rows in flight). Rows are issued
+// into the slots in order (fill) and read back in order (s).
+template <int DEPTH> struct Ring {
   RingAddr base;
   unsigned nb;  // from a slot's first vector to its second
   int fill, s;  // slot of the next row to issue, of the next row to read
-  static constexpr int D = CUPY_ROPE_ASYNC_DEPTH, S = D + 1;
+  static constexpr int D = DEPTH, S = D + 1;
+  static_assert(D >= 1 && S <= kRingSlots, "a ring's depth: 1 to the slots of ring_slots less one");
   __device__ __forceinline__ void step(int& i) { i = i == S - 1 ? 0 : i + 1; }
   template <typename T, class Rows> __device__ __forceinline__ void issue(Rows& rows, bool pair) {
     const T *p0, *p1;
@@ -687,31 +694,31 @@ struct Ring {
   }
 };
 
-__device__ __forceinline__ Ring ring_open() {
-  return Ring{ring_addr(ring_slots + threadIdx.x), blockDim.x * kRingWord, 0, 0};
+template <int DEPTH> __device__ __forceinline__ Ring<DEPTH> ring_open() {
+  return Ring<DEPTH>{ring_addr(ring_slots + threadIdx.x), blockDim.x * kRingWord, 0, 0};
 }
 
 // Rows 0 .. D - 1 issued (one commit group each, empty past cnt).
-template <typename T, class Rows>
-__device__ __forceinline__ void ring_prime(Ring& r, int cnt, Rows& rows, bool pair) {
+template <typename T, class R, class Rows>
+__device__ __forceinline__ void ring_prime(R& r, int cnt, Rows& rows, bool pair) {
 #pragma unroll
-  for (int j = 0; j < Ring::D; ++j) {
-    if (j < cnt) r.issue<T>(rows, pair);
+  for (int j = 0; j < R::D; ++j) {
+    if (j < cnt) r.template issue<T>(rows, pair);
     async_commit();
   }
 }
 
 // stream_rows over a primed ring: row k + D is issued, then row k is read back, rotated and stored.
 // MODE kHeldOrCopy: `pair` says whether the unit has a second vector (otherwise PAIR does).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class Rows>
-__device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, bool PAIR, int MODE, class R, class Rows>
+__device__ __forceinline__ void ring_stream(R& r, int cnt, Rows& rows, const float* cm, const float* sm, i64 c0,
                                             i64 c1, bool pair = true) {
   static_assert(Vec<T, V>::kBytes == 16, "the ring holds 16-byte vectors");
   const bool two = MODE == kHeldOrCopy ? pair : PAIR;
   for (int k = 0; k < cnt; ++k) {
-    if (k + Ring::D < cnt) r.issue<T>(rows, two);  // row k + D, into the slot of row k - 1, read back
+    if (k + R::D < cnt) r.template issue<T>(rows, two);  // row k + D, into the slot of row k - 1, read back
     async_commit();
-    async_wait<Ring::D>();  // row k's group is complete
+    async_wait<R::D>();  // row k's group is complete
     const RingAddr at = r.base + 2 * r.s * r.nb;
     r.step(r.s);
     Vec<T, V> a = vec_of<T, V>(ring_read(at)), b;
@@ -726,8 +733,8 @@ __device__ __forceinline__ void ring_stream(Ring& r, int cnt, Rows& rows, const 
 // ring_stream of kFresh rows for the mixed kernels, out of line (as fresh_rows): inlined next to
 // the kHeldOrCopy loop, its local copy of the unit (rotate_fresh) sent that loop's rotated values
 // through local memory too (measured: half the copy's speed, benchmarks/NOTES.md).
-template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class Rows>
-__device__ __noinline__ void ring_fresh(Ring r, int cnt, Rows rows, i64 c0, i64 c1) {
+template <typename T, int V, bool INTERLEAVED, bool BACKWARD, class R, class Rows>
+__device__ __noinline__ void ring_fresh(R r, int cnt, Rows rows, i64 c0, i64 c1) {
   ring_stream<T, V, INTERLEAVED, BACKWARD, true, kFresh>(r, cnt, rows, nullptr, nullptr, c0, c1);
 }
 #endif
@@ -829,7 +836,7 @@ __device__ __forceinline__ void stream_unit(bool pair, int cnt, Rows& rows, Init
   if constexpr (Vec<T, V>::kBytes == 16) {
     // The first rows' copies fly while init computes the position and cos/sin (they hold no
     // registers); the rare kFresh rows stream here too (rotate_fresh per row).
-    Ring ring = ring_open();
+    auto ring = ring_open<MIXED ? CUPY_ROPEM_ASYNC_DEPTH : CUPY_ROPE_ASYNC_DEPTH>();
     ring_prime<T>(ring, cnt, rows, pair);
     init(cm, sm);
     if constexpr (MIXED) {
@@ -896,6 +903,10 @@ __device__ __forceinline__ bool first_part(i64 blocks0, unsigned b, unsigned& bl
 // Resident blocks per SM the compiler must allow (caps registers per thread: 4 -> 64, 3 -> 80).
 #ifndef CUPY_ROPE_MIN_BLOCKS
 #define CUPY_ROPE_MIN_BLOCKS 4
+#endif
+// The mixed kernels' (ropem_), by default the other rope kernels'.
+#ifndef CUPY_ROPEM_MIN_BLOCKS
+#define CUPY_ROPEM_MIN_BLOCKS CUPY_ROPE_MIN_BLOCKS
 #endif
 #ifndef CUPY_QKV_MIN_BLOCKS
 #define CUPY_QKV_MIN_BLOCKS 3
