@@ -1,7 +1,7 @@
 """A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``,
-``_LEAN_MAX_FAST_SEQS``), bf16, d 128, angle table.
+``_LEAN_MAX_FAST_SEQS``) and of the mixed kernels' build, bf16, angle table.
 
-    python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs] [--values V,V] [--rounds 5] [--defines D;D]
+    python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V] [--rounds 5] [--defines D;D]
                                            [--json FILE]
 
 ``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
@@ -9,7 +9,10 @@ heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64
 no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed), where
 each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs`` (values
 default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the limit
-for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more.
+for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more. ``--limit mixed`` (values:
+kernel build defines, ``;``-separated, the values ``|``-separated; default none against
+``-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3``): launches of a rotary slice narrower than
+the head (the mixed kernels, ``ropem``), each value's build compiled and loaded in turn.
 
 Per case: the kernel each value launches, whether the outputs are bit-identical across values,
 and device µs per call from CUDA-graph replays (``benchmark.graph_time``) of six distinct input
@@ -45,8 +48,21 @@ SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, 
     (65536, 16, 0, 16384), (65536, 16, 0, 65536), (16384, 32, 8, 1024), (16384, 32, 8, 4096),
     (16384, 32, 8, 8192), (8192, 32, 0, 512), (32768, 16, 0, 1024), (131072, 16, 0, 2048),
     (16384, 32, 0, 256), (32768, 32, 8, 1024), (65536, 16, 0, 1536)]}
-LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8"), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824"),
-          "fastseqs": ("_LEAN_MAX_FAST_SEQS", "64,2048")}
+# --limit mixed; name: (layout, token dims, q heads, k heads (0: q alone), head size, rotary width,
+# interleaved; thd: 16 sequences)
+MIXED_CASES = {
+    "sbhd 4096x2 h32 d128 d2 64 interleaved (suite row 5)": ("sbhd", (4096, 2), 32, 0, 128, 64, True),
+    "sbhd 4096x2 h32 d128 d2 64": ("sbhd", (4096, 2), 32, 0, 128, 64, False),
+    "bshd 2x4096 h32 d128 d2 32": ("bshd", (2, 4096), 32, 0, 128, 32, False),
+    "bshd 4x2048 h32 d80 d2 32": ("bshd", (4, 2048), 32, 0, 80, 32, False),
+    "bshd 2x8192 h8 d128 d2 64": ("bshd", (2, 8192), 8, 0, 128, 64, False),
+    "sbhd 4096x2 q32+k8 d128 d2 64": ("sbhd", (4096, 2), 32, 8, 128, 64, False),
+    "thd 32768 tokens in 16 seqs h32 d128 d2 64 interleaved": ("thd", (32768,), 32, 0, 128, 64, True),
+}
+# name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
+LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
+          "fastseqs": ("_LEAN_MAX_FAST_SEQS", "64,2048", ","),
+          "mixed": ("DEFINES", "|-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3", "|")}
 SETS = 6
 KERNELS = []  # (kernel, grid, block) of each launch the Python path makes
 _launch_gpu = _api._launch_gpu
@@ -57,10 +73,15 @@ def _recording_launch(spec, *args):
     return _launch_gpu(spec, *args)
 
 
-def set_limit(name: str, v: int) -> None:
-    """The limit for this process; the launch caches dropped (their launches were planned with the
-    previous limit): the debug switch clears the C++ caches, then the Python one."""
-    setattr(_worksplit, name, v)
+def set_limit(name: str, v, base_defines=()) -> None:
+    """The limit (or, for DEFINES, the build: ``base_defines`` and the value's) for this process;
+    the launch caches dropped (their launches were planned with the previous limit, their kernels
+    loaded from the previous build): the debug switch clears the C++ caches, then the Python ones."""
+    if name == "DEFINES":
+        _kernels.DEFINES = tuple(base_defines) + tuple(d for d in v.split(";") if d)
+        _launch._functions.clear()
+    else:
+        setattr(_worksplit, name, int(v))
     cupy_rope.set_debug(True)
     cupy_rope.set_debug(False)
     _launch._CACHE.clear()
@@ -94,13 +115,19 @@ def head_case(case, f):
     return calls, (hq + hk) * lead[0] * lead[1] * 128
 
 
-def seq_case(case, f):
-    """Calls on SETS input sets of a ``--limit seqs`` case: thd q (and k) of ``tokens`` tokens in
-    ``n`` sequences of random lengths (at least one token each)."""
-    t, hq, hk, n = case
+def _cu_seqlens(t, n):
+    """int32 cu_seqlens of ``t`` tokens in ``n`` sequences of random lengths (at least one token
+    each; the generator seeded with ``n``)."""
     g = torch.Generator().manual_seed(n)
     cuts = torch.sort(torch.randperm(t - 1, generator=g)[: n - 1] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]).to(torch.int32).cuda()
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([t])]).to(torch.int32).cuda()
+
+
+def seq_case(case, f):
+    """Calls on SETS input sets of a ``--limit seqs`` case: thd q (and k) of ``tokens`` tokens in
+    ``n`` sequences of random lengths."""
+    t, hq, hk, n = case
+    cu = _cu_seqlens(t, n)
     calls = []
     for _ in range(SETS):
         q, k = _randn(t, hq, 128), (_randn(t, hk, 128) if hk else None)
@@ -108,19 +135,37 @@ def seq_case(case, f):
     return calls, (hq + hk) * t * 128
 
 
+def mixed_case(case, _):
+    """Calls on SETS input sets of a ``--limit mixed`` case, with its own table (rotary width d2)."""
+    layout, lead, hq, hk, d, d2, il = case
+    rows = lead[0] if layout == "thd" else max(lead)
+    f = torch.from_numpy(cupy_rope.rope_freqs(d2, rows)).cuda().reshape(rows, 1, 1, d2)
+    kw = dict(interleaved=il, **({"cu_seqlens": _cu_seqlens(lead[0], 16)} if layout == "thd" else {}))
+    calls = []
+    for _ in range(SETS):
+        q, k = _randn(*lead, hq, d), (_randn(*lead, hk, d) if hk else None)
+        calls.append(_call(q, k, f, layout, **kw))
+    n_tok = 1
+    for n in lead:
+        n_tok *= n
+    return calls, (hq + hk) * n_tok * d
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", choices=sorted(LIMITS), default="heads", help="which limit to vary")
-    ap.add_argument("--values", help="comma-separated values of the limit (default: by --limit)")
+    ap.add_argument("--values", help="values of the limit, comma-separated (mixed: '|'-separated define "
+                    "sets; default: by --limit)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--defines", default="", help="kernel build defines for the whole run, ';'-separated "
                     "(as run.py --tune DEFINES=...), e.g. a patch's -DCUPY_TMP_... variant")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
-    _kernels.DEFINES = tuple(d for d in a.defines.split(";") if d)
-    attr, default = LIMITS[a.limit]
-    values = [int(v) for v in (a.values or default).split(",")]
-    cases, make = (HEAD_CASES, head_case) if a.limit == "heads" else (SEQ_CASES, seq_case)
+    base = tuple(d for d in a.defines.split(";") if d)
+    _kernels.DEFINES = base
+    attr, default, sep = LIMITS[a.limit]
+    values = (a.values or default).split(sep)
+    cases, make = {"heads": (HEAD_CASES, head_case), "mixed": (MIXED_CASES, mixed_case)}.get(a.limit, (SEQ_CASES, seq_case))
     _api._launch_gpu = _recording_launch
     torch.manual_seed(0)
     rows = max(c[0] for c in SEQ_CASES.values())
@@ -134,23 +179,23 @@ def main():
         r = {"kernel": {}, "us": {str(v): [] for v in values}, "copy_us": []}
         outs = []
         for v in values:
-            set_limit(attr, v)
+            set_limit(attr, v, base)
             KERNELS.clear()
             outs.append(calls[0]())
             r["kernel"][str(v)] = KERNELS[0][0] if KERNELS else None
         r["bit_identical"] = all(torch.equal(x, y) for out in outs[1:] for x, y in zip(outs[0], out))
         for _ in range(a.rounds):
             for v in values:
-                set_limit(attr, v)
+                set_limit(attr, v, base)
                 r["us"][str(v)].append(round(graph_time(calls), 2))
             r["copy_us"].append(round(graph_time([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)]), 2))
         res[name] = r
         med = {v: statistics.median(t) for v, t in r["us"].items()}
-        print(f"{name}: " + ", ".join(f"{v}: {r['kernel'][v]} {m:.2f} us" for v, m in med.items())
+        print(f"{name}: " + ", ".join(f"{v or '(none)'}: {r['kernel'][v]} {m:.2f} us" for v, m in med.items())
               + f"; copy {statistics.median(r['copy_us']):.2f} us; bit-identical {r['bit_identical']}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "limit": attr, "defines": list(_kernels.DEFINES),
+            json.dump({"device": torch.cuda.get_device_name(), "limit": attr, "defines": list(base),
                        "cases": res}, fh, indent=1)
 
 
