@@ -1,8 +1,8 @@
 """A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``,
 ``_LEAN_MAX_FAST_SEQS``) and of the mixed kernels' build, bf16, angle table.
 
-    python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V] [--rounds 5] [--defines D;D]
-                                           [--json FILE]
+    python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V]
+                                           [--rounds 5] [--defines D;D] [--json FILE]
 
 ``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
 heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
@@ -165,7 +165,8 @@ def main():
     _kernels.DEFINES = base
     attr, default, sep = LIMITS[a.limit]
     values = (a.values or default).split(sep)
-    cases, make = {"heads": (HEAD_CASES, head_case), "mixed": (MIXED_CASES, mixed_case)}.get(a.limit, (SEQ_CASES, seq_case))
+    cases, make = {"heads": (HEAD_CASES, head_case), "mixed": (MIXED_CASES, mixed_case)}.get(
+        a.limit, (SEQ_CASES, seq_case))
     _api._launch_gpu = _recording_launch
     torch.manual_seed(0)
     rows = max(c[0] for c in SEQ_CASES.values())

@@ -76,32 +76,31 @@ _SHARE_SINCOS = True
 # benchmark harness's --tune TWO_ROWS=0|1 changes it.
 _TWO_ROWS = True
 _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
-# Launches of 16-byte vectors with an angle table that the split leaves to the streaming kernel
-# take the lean kernel (``ropel``: at most CUPY_ROPE_LEAN_ROWS rows of one token per thread, the
-# kernel's define, loaded up front; 32-bit offsets) where _LEAN is set and ``lean_fits`` allows:
-# H200, one session, forward us,
-# streaming / lean: sbhd 4096x2x32x128 40.0-41.0 / 38.6-39.0; thd 32K tokens in 16 sequences
-# 147.8-148.1 / 138.5-138.7; sbhd fp32 d 64 19.1-19.2 / 18.5-18.6; sbhd d 80 28.7-28.8 / 27.7-27.8;
-# sbhd cp_size 4 40.2-40.3 / 38.7-38.8; but thd 65536 tokens in 1024 sequences 149.3-150.2 /
-# 153.0-153.4 (every thread's binary search over cu_seqlens). With the body without per-row
-# branches (H200, medians): 65536 tokens in 1024 / 2048 / 4096 sequences 150.5 / 147.9, 150.5 /
-# 154.1, 150.8 / 159.5; q32+k8, 16384 tokens in 1024 sequences 97.0 / 99.5; 8192 tokens in 512
-# sequences 42.3 / 46.1 (an H100 favours lean up to 2048 sequences): hence at most _LEAN_MAX_SEQS
-# sequences, 64. Where the search runs in 32 bits (contiguous int32 cu_seqlens, cp_size 1; the
-# kernels' token_position), H200, medians, streaming / lean: 65536 tokens in 1024 / 2048 / 4096
-# sequences 149.8 / 140.9, 149.9 / 146.1, 150.0 / 151.9; q32+k8, 16384 tokens in 1024 / 4096
-# sequences 96.4 / 93.4, 96.5 / 99.0; 8192 tokens in 512 sequences 41.8 / 43.1: so such launches
-# also take it up to _LEAN_MAX_FAST_SEQS sequences, 2048, of _LEAN_MIN_SEQ_TOKENS tokens, 32, or
-# more on average (benchmarks/NOTES.md, thirty-sixth session). Two rows per thread: 40.0-40.2, 22.3, 149-151, 166-168, 18.6, 27.1-27.4, 40.3. The
-# first lean body lost on 8 heads (bshd 2x8192x8x128, 20.9 / 21.7); the one without per-row
-# branches does not: H200, bshd 2x8192x8x128 forward 21.08, 20.82 / 21.06, 20.59; q+k of 32 + 8
-# heads (GQA: the 8-head k kept the whole launch off the lean kernel) H200 49.0 / 46.3, H100
-# 64.5 / 60.5; 64 + 8 heads H200 86.0 / 79.9; 12 + 12 heads H200 57.7 / 54.0, bit-identical:
-# hence at least _LEAN_MIN_HEADS heads, 8 (fewer not measured). Rows with pass-through channels
-# stay on the mixed kernel: a lean variant that copied tail units ran sbhd d2 64 of 128
-# interleaved at 47.0-47.6 against 43.0-43.9 (benchmarks/NOTES.md). Fixed like the constants
-# above; --tune LEAN=0|1, LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N,
-# LEAN_MIN_SEQ_TOKENS=N change them,
+# Launches of 16-byte vectors with an angle table that the split leaves to the streaming kernel take
+# the lean kernel (``ropel``: at most CUPY_ROPE_LEAN_ROWS rows of one token per thread, the kernel's
+# define, loaded up front; 32-bit offsets) where _LEAN is set and ``lean_fits`` allows: H200, one
+# session, forward us, streaming / lean: sbhd 4096x2x32x128 40.0-41.0 / 38.6-39.0; thd 32K tokens in
+# 16 sequences 147.8-148.1 / 138.5-138.7; sbhd fp32 d 64 19.1-19.2 / 18.5-18.6; sbhd d 80 28.7-28.8
+# / 27.7-27.8; sbhd cp_size 4 40.2-40.3 / 38.7-38.8; but thd 65536 tokens in 1024 sequences
+# 149.3-150.2 / 153.0-153.4 (every thread's binary search over cu_seqlens). With the body without
+# per-row branches (H200, medians): 65536 tokens in 1024 / 2048 / 4096 sequences 150.5 / 147.9,
+# 150.5 / 154.1, 150.8 / 159.5; q32+k8, 16384 tokens in 1024 sequences 97.0 / 99.5; 8192 tokens in
+# 512 sequences 42.3 / 46.1 (an H100 favours lean up to 2048 sequences): hence at most
+# _LEAN_MAX_SEQS sequences, 64. Where the search runs in 32 bits (contiguous int32 cu_seqlens,
+# cp_size 1; the kernels' token_position), H200, medians, streaming / lean: 65536 tokens in 1024 /
+# 2048 / 4096 sequences 149.8 / 140.9, 149.9 / 146.1, 150.0 / 151.9; q32+k8, 16384 tokens in 1024 /
+# 4096 sequences 96.4 / 93.4, 96.5 / 99.0; 8192 tokens in 512 sequences 41.8 / 43.1: so such
+# launches also take it up to _LEAN_MAX_FAST_SEQS sequences, 2048, of _LEAN_MIN_SEQ_TOKENS tokens,
+# 32, or more on average (benchmarks/NOTES.md, thirty-sixth session). Two rows per thread:
+# 40.0-40.2, 22.3, 149-151, 166-168, 18.6, 27.1-27.4, 40.3. The first lean body lost on 8 heads
+# (bshd 2x8192x8x128, 20.9 / 21.7); the one without per-row branches does not: H200, bshd
+# 2x8192x8x128 forward 21.08, 20.82 / 21.06, 20.59; q+k of 32 + 8 heads (GQA: the 8-head k kept the
+# whole launch off the lean kernel) H200 49.0 / 46.3, H100 64.5 / 60.5; 64 + 8 heads H200 86.0 /
+# 79.9; 12 + 12 heads H200 57.7 / 54.0, bit-identical: hence at least _LEAN_MIN_HEADS heads, 8
+# (fewer not measured). Rows with pass-through channels stay on the mixed kernel: a lean variant
+# that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6 against 43.0-43.9
+# (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
+# LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N change them,
 # DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
 _LEAN = True
 _LEAN_MIN_HEADS = 8
