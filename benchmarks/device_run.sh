@@ -41,6 +41,12 @@ if [[ $MODE == *probe* ]]; then
     timeout ${PROBE_TIMEOUT:-120} python3 benchmarks/access_probe.py --rope $args --json "$OUT/probe_row$n.json" 2>&1 | tail -45
   done
 fi
+if [[ $MODE == *mixed* ]]; then
+  # the mixed kernels' builds (ring depth, register budget) on partial-rotary launches, each build
+  # loaded in turn, outputs compared bit for bit (benchmarks/NOTES.md, thirty-sixth session)
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/lean_limits_probe.py --limit mixed --json "$OUT/mixed_probe.json" \
+    --values "${MIXED_VALUES:-|-DCUPY_ROPEM_ASYNC_DEPTH=1|-DCUPY_ROPEM_MIN_BLOCKS=3|-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3}" 2>&1 | tail -9
+fi
 if [[ $MODE == *leanrows* ]]; then
   # the lean kernel's rows per thread: 4 (main) against 2, interleaved (NOTES.md: 2 wins on an
   # H100's lean rows, 4 on the H200's, by 4-9%, in the eighteenth and twenty-eighth sessions)
