@@ -251,7 +251,7 @@ __device__ __forceinline__ bool token_position(const PosArgs& a, i64 outer, i64 
       const int* const cu = reinterpret_cast<const int*>(a.cu_seqlens);
       int l = 0, h = (int)a.nseq;
       while (h - l > 1) {
-        const int mid = (int)((unsigned)(l + h) >> 1);
+        const int mid = (int)(((unsigned)l + (unsigned)h) >> 1);  // no signed overflow
         if (cu[mid] <= t) l = mid;
         else h = mid;
       }
