@@ -12,7 +12,9 @@ default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) 
 for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more. ``--limit mixed`` (values:
 kernel build defines, ``;``-separated, the values ``|``-separated; default none against
 ``-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3``): launches of a rotary slice narrower than
-the head (the mixed kernels, ``ropem``), each value's build compiled and loaded in turn.
+the head (the mixed kernels, ``ropem``), each value's build compiled and loaded in turn; the
+interleaved cases take an interleaved table (``rope_freqs(..., interleaved=True)``, as TE builds it:
+one angle per pair, so each thread's cos/sin are computed once and held).
 
 Per case: the kernel each value launches, whether the outputs are bit-identical across values,
 and device µs per call from CUDA-graph replays (``benchmark.graph_time``) of six distinct input
@@ -59,6 +61,7 @@ MIXED_CASES = {
     "bshd 2x8192 h8 d128 d2 64": ("bshd", (2, 8192), 8, 0, 128, 64, False),
     "sbhd 4096x2 q32+k8 d128 d2 64": ("sbhd", (4096, 2), 32, 8, 128, 64, False),
     "thd 32768 tokens in 16 seqs h32 d128 d2 64 interleaved": ("thd", (32768,), 32, 0, 128, 64, True),
+    "bshd 2x8192 h8 d128 d2 64 interleaved": ("bshd", (2, 8192), 8, 0, 128, 64, True),
 }
 # name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
 LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
@@ -140,7 +143,7 @@ def mixed_case(case, _):
     """Calls on SETS input sets of a ``--limit mixed`` case, with its own table (rotary width d2)."""
     layout, lead, hq, hk, d, d2, il = case
     rows = lead[0] if layout == "thd" else max(lead)
-    f = torch.from_numpy(cupy_rope.rope_freqs(d2, rows)).cuda().reshape(rows, 1, 1, d2)
+    f = torch.from_numpy(cupy_rope.rope_freqs(d2, rows, interleaved=il)).cuda().reshape(rows, 1, 1, d2)
     kw = dict(interleaved=il, **({"cu_seqlens": _cu_seqlens(lead[0], 16)} if layout == "thd" else {}))
     calls = []
     for _ in range(SETS):
