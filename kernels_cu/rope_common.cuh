@@ -588,9 +588,11 @@ constexpr int kAnyMode = -1;
 #ifndef CUPY_ROPE_ASYNC_DEPTH
 #define CUPY_ROPE_ASYNC_DEPTH 2
 #endif
-// The mixed kernels' depth (ropem_; stream_unit's MIXED), by default the others'.
+// The mixed kernels' depth (ropem_; stream_unit's MIXED): one row in flight. Their warps
+// alternate between rotated and copied units, and a second row mostly queued behind the ring's
+// shared-memory reads (benchmarks/NOTES.md, thirty-sixth and thirty-seventh sessions).
 #ifndef CUPY_ROPEM_ASYNC_DEPTH
-#define CUPY_ROPEM_ASYNC_DEPTH CUPY_ROPE_ASYNC_DEPTH
+#define CUPY_ROPEM_ASYNC_DEPTH 1
 #endif
 #ifndef CUPY_ROPE_SHARED
 #define CUPY_ROPE_SHARED __shared__
@@ -904,9 +906,10 @@ __device__ __forceinline__ bool first_part(i64 blocks0, unsigned b, unsigned& bl
 #ifndef CUPY_ROPE_MIN_BLOCKS
 #define CUPY_ROPE_MIN_BLOCKS 4
 #endif
-// The mixed kernels' (ropem_), by default the other rope kernels'.
+// The mixed kernels' (ropem_): 80 registers; at 64 their 16-bit builds spilled 120-176 bytes, at 80
+// 0-32 (benchmarks/NOTES.md, as above).
 #ifndef CUPY_ROPEM_MIN_BLOCKS
-#define CUPY_ROPEM_MIN_BLOCKS CUPY_ROPE_MIN_BLOCKS
+#define CUPY_ROPEM_MIN_BLOCKS 3
 #endif
 #ifndef CUPY_QKV_MIN_BLOCKS
 #define CUPY_QKV_MIN_BLOCKS 3
