@@ -43,9 +43,9 @@ if [[ $MODE == *probe* ]]; then
 fi
 if [[ $MODE == *mixed* ]]; then
   # the mixed kernels' builds (ring depth, register budget) on partial-rotary launches, each build
-  # loaded in turn, outputs compared bit for bit (benchmarks/NOTES.md, thirty-sixth session)
+  # loaded in turn, outputs compared bit for bit (benchmarks/NOTES.md, thirty-sixth and thirty-seventh sessions)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/lean_limits_probe.py --limit mixed --json "$OUT/mixed_probe.json" \
-    --values "${MIXED_VALUES:-|-DCUPY_ROPEM_ASYNC_DEPTH=1|-DCUPY_ROPEM_MIN_BLOCKS=3|-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3}" 2>&1 | tail -9
+    --values="${MIXED_VALUES:--DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4|-DCUPY_ROPEM_MIN_BLOCKS=4|-DCUPY_ROPEM_ASYNC_DEPTH=2|}" 2>&1 | tail -12
 fi
 if [[ $MODE == *leanrows* ]]; then
   # the lean kernel's rows per thread: 4 (main) against 2, interleaved (NOTES.md: 2 wins on an

@@ -10,11 +10,12 @@ no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fix
 each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs`` (values
 default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the limit
 for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more. ``--limit mixed`` (values:
-kernel build defines, ``;``-separated, the values ``|``-separated; default none against
-``-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3``): launches of a rotary slice narrower than
-the head (the mixed kernels, ``ropem``), each value's build compiled and loaded in turn; the
-interleaved cases take an interleaved table (``rope_freqs(..., interleaved=True)``, as TE builds it:
-one angle per pair, so each thread's cos/sin are computed once and held).
+kernel build defines, ``;``-separated, the values ``|``-separated; default the build before the
+thirty-seventh session, ``-DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4``, against none):
+launches of a rotary slice narrower than the head (the mixed kernels, ``ropem``), each value's
+build compiled and loaded in turn; the interleaved cases take an interleaved table
+(``rope_freqs(..., interleaved=True)``, as TE builds it: one angle per pair, so each thread's
+cos/sin are computed once and held).
 
 Per case: the kernel each value launches, whether the outputs are bit-identical across values,
 and device µs per call from CUDA-graph replays (``benchmark.graph_time``) of six distinct input
@@ -66,7 +67,7 @@ MIXED_CASES = {
 # name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
 LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
           "fastseqs": ("_LEAN_MAX_FAST_SEQS", "64,2048", ","),
-          "mixed": ("DEFINES", "|-DCUPY_ROPEM_ASYNC_DEPTH=1;-DCUPY_ROPEM_MIN_BLOCKS=3", "|")}
+          "mixed": ("DEFINES", "-DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4|", "|")}
 SETS = 6
 KERNELS = []  # (kernel, grid, block) of each launch the Python path makes
 _launch_gpu = _api._launch_gpu
