@@ -5,7 +5,7 @@
                                            [--rounds 5] [--defines D;D] [--json FILE]
 
 ``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
-heads) and tensors of 8-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
+heads: 8 down to 1) and tensors of 4-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
 no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed), where
 each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs`` (values
 default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the limit
@@ -45,6 +45,12 @@ HEAD_CASES = {
     "bshd q64+k8 1x8192": ("bshd", (1, 8192), 64, 8, False),
     "bshd k8 alone 2x8192": ("bshd", (2, 8192), 0, 8, False),
     "sbhd q12+k12 4096x4": ("sbhd", (4096, 4), 12, 12, False),
+    # fewer than 8 k heads (Qwen2-7B: 28 + 4; multi-query attention: one), for values below 8
+    "sbhd q32+k4 4096x2": ("sbhd", (4096, 2), 32, 4, False),
+    "bshd q28+k4 views of a fused projection 2x4096": ("bshd", (2, 4096), 28, 4, True),
+    "bshd q32+k2 2x4096": ("bshd", (2, 4096), 32, 2, False),
+    "bshd q32+k1 2x4096": ("bshd", (2, 4096), 32, 1, False),
+    "bshd k4 alone 2x8192": ("bshd", (2, 8192), 0, 4, False),
 }
 # --limit seqs; name: (tokens, q heads, k heads (0: q alone), sequences)
 SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, hk, n) for t, hq, hk, n in [
