@@ -403,3 +403,40 @@ def test_jax_heads_major_gpu(xla_launch, form):
         text = jax.jit(lambda t: rope(t, True)).lower(jnp.zeros(shape, jnp.float32)).as_text()
         assert "result_layouts = [dense<[" + ("2, 0, 1" if form == "fused_thd_gqa" else
                                               "3, 0, 2, 1" if form == "separate_sbhd" else "3, 1, 2, 0") in text, text
+
+
+@pytest.mark.parametrize("empty", ["k", "q"])
+def test_rope_qk_gpu_one_tensor_without_heads(xla_launch, empty):
+    """A q+k call where one tensor has no heads (a zero-size part of the launch): the other is
+    rotated as apply_rope rotates it, forward and backward, in CuPy, torch and JAX (eager and
+    jitted, each XLA launch way); the empty one comes back empty."""
+    import cupy
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import cupy_rope.jax as crj
+    import cupy_rope.torch as crt
+
+    rng = np.random.default_rng(11)
+    fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
+    full = rng.uniform(-1, 1, (16, 2, 4, 64)).astype(np.float32)
+    none = np.zeros((16, 2, 0, 64), np.float32)
+    pair = (full, none) if empty == "k" else (none, full)
+    side = 0 if empty == "k" else 1
+    for backward in (False, True):
+        ref = rope_ref(full, fn_, backward=backward)
+        jfn = crj.apply_rope_qk_backward if backward else crj.apply_rope_qk
+        calls = {
+            "cupy": lambda: (cupy_rope.apply_rope_qk_backward if backward else cupy_rope.apply_rope_qk)(
+                *(cupy.asarray(a) for a in pair), cupy.asarray(fn_)),
+            "torch": lambda: (crt.apply_rope_qk_backward if backward else crt.apply_rope_qk)(
+                *(torch.from_numpy(a).cuda() for a in pair), torch.from_numpy(fn_).cuda()),
+            "jax": lambda: jfn(*(jnp.asarray(a) for a in pair), jnp.asarray(fn_)),
+            "jax jit": lambda: jax.jit(jfn)(*(jnp.asarray(a) for a in pair), jnp.asarray(fn_)),
+        }
+        for name, call in calls.items():
+            out = [np.asarray(o.cpu() if isinstance(o, torch.Tensor) else cupy.asnumpy(o)
+                              if isinstance(o, cupy.ndarray) else o) for o in call()]
+            assert out[1 - side].shape == none.shape, name
+            assert_close_to_ref(out[side], ref, full, 64, "float32", f"{name} backward={backward}")
