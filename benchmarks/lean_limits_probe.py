@@ -4,16 +4,16 @@
     python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V]
                                            [--rounds 5] [--defines D;D] [--json FILE]
 
-``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few
-heads: 8 down to 1) and tensors of 4-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824, i.e.
-no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed), where
-each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs`` (values
-default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the limit
-for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more. ``--limit mixed`` (values:
-kernel build defines, ``;``-separated, the values ``|``-separated; default the build before the
-thirty-seventh session, ``-DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4``, against none):
-launches of a rotary slice narrower than the head (the mixed kernels, ``ropem``), each value's
-build compiled and loaded in turn; the interleaved cases take an interleaved table
+``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few heads:
+8 down to 1) and tensors of 4-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824,
+i.e. no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed),
+where each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs``
+(values default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the
+limit for launches of ``_LEAN_MIN_SEQ_TOKENS`` tokens per sequence or more. ``--limit mixed``
+(values: kernel build defines, ``;``-separated, the values ``|``-separated; default the build
+before the thirty-seventh session, ``-DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4``,
+against none): launches of a rotary slice narrower than the head (the mixed kernels, ``ropem``),
+each value's build compiled and loaded in turn; the interleaved cases take an interleaved table
 (``rope_freqs(..., interleaved=True)``, as TE builds it: one angle per pair, so each thread's
 cos/sin are computed once and held).
 

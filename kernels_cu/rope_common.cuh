@@ -588,9 +588,9 @@ constexpr int kAnyMode = -1;
 #ifndef CUPY_ROPE_ASYNC_DEPTH
 #define CUPY_ROPE_ASYNC_DEPTH 2
 #endif
-// The mixed kernels' depth (ropem_; stream_unit's MIXED): one row in flight. Their warps
-// alternate between rotated and copied units, and a second row mostly queued behind the ring's
-// shared-memory reads (benchmarks/NOTES.md, thirty-sixth and thirty-seventh sessions).
+// The mixed kernels' depth (ropem_; stream_unit's MIXED): one row in flight. With 80 registers
+// (CUPY_ROPEM_MIN_BLOCKS) it ran partial-rotary launches 4-22% faster (H100; row 5 7% on the H200)
+// than two rows with 64 (benchmarks/NOTES.md, thirty-sixth and thirty-seventh sessions).
 #ifndef CUPY_ROPEM_ASYNC_DEPTH
 #define CUPY_ROPEM_ASYNC_DEPTH 1
 #endif
