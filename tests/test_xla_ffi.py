@@ -132,6 +132,29 @@ def test_ffi_rope_qk(lowered_for_cuda, form):
         assert_close_to_ref(got, rope_ref(a, fn_, layout="bshd", start_positions=sp), a, 64, "float32", name)
 
 
+@pytest.mark.parametrize("empty", ["k", "q", "both"])
+def test_ffi_rope_qk_tensor_without_heads(lowered_for_cuda, empty):
+    """A q+k call where a tensor has no heads: one launch rotates the other (forward and
+    backward), and only a call where both are empty lowers to no launch at all."""
+    import cupy_rope.jax as crj
+
+    rng = np.random.default_rng(13)
+    fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
+    full, none = rng.uniform(-1, 1, (2, 16, 4, 64)).astype(np.float32), np.zeros((2, 16, 0, 64), np.float32)
+    pair = {"k": (full, none), "q": (none, full), "both": (none, none)}[empty]
+    for backward in (False, True):
+        entry = crj.apply_rope_qk_backward if backward else crj.apply_rope_qk
+        text = lowered_for_cuda(lambda a, b, f: entry(a, b, f, "bshd"), *pair, fn_)
+        if empty == "both":
+            assert "cupy_rope_launch" not in text
+            continue
+        outs = [_aligned(_poisoned(a.shape, np.float32)) for a in pair]
+        run_lowered(text, [_aligned(a) for a in (*pair, fn_)], outs)
+        side = 0 if empty == "k" else 1
+        assert_close_to_ref(outs[side], rope_ref(full, fn_, layout="bshd", backward=backward), full, 64, "float32")
+        assert outs[1 - side].shape == none.shape
+
+
 @pytest.mark.parametrize("form", ["stacked", "flat_gqa"])
 def test_ffi_fused_gradient_one_buffer(lowered_for_cuda, form):
     """The fused entry's gradient: one launch writes the rotated dq and dk into their parts of one
