@@ -1,5 +1,5 @@
 """A/B of the lean kernel's routing limits (``_worksplit._LEAN_MIN_HEADS``, ``_LEAN_MAX_SEQS``,
-``_LEAN_MAX_FAST_SEQS``) and of the mixed kernels' build, bf16, angle table.
+``_LEAN_MAX_FAST_SEQS``) and of the mixed kernels' build, bf16 (mixed: also fp32), angle table.
 
     python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V]
                                            [--rounds 5] [--defines D;D] [--json FILE]
@@ -59,7 +59,7 @@ SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, 
     (16384, 32, 8, 8192), (8192, 32, 0, 512), (32768, 16, 0, 1024), (131072, 16, 0, 2048),
     (16384, 32, 0, 256), (32768, 32, 8, 1024), (65536, 16, 0, 1536)]}
 # --limit mixed; name: (layout, token dims, q heads, k heads (0: q alone), head size, rotary width,
-# interleaved; thd: 16 sequences)
+# interleaved, dtype; thd: 16 sequences)
 MIXED_CASES = {
     "sbhd 4096x2 h32 d128 d2 64 interleaved (suite row 5)": ("sbhd", (4096, 2), 32, 0, 128, 64, True),
     "sbhd 4096x2 h32 d128 d2 64": ("sbhd", (4096, 2), 32, 0, 128, 64, False),
@@ -69,6 +69,8 @@ MIXED_CASES = {
     "sbhd 4096x2 q32+k8 d128 d2 64": ("sbhd", (4096, 2), 32, 8, 128, 64, False),
     "thd 32768 tokens in 16 seqs h32 d128 d2 64 interleaved": ("thd", (32768,), 32, 0, 128, 64, True),
     "bshd 2x8192 h8 d128 d2 64 interleaved": ("bshd", (2, 8192), 8, 0, 128, 64, True),
+    "sbhd 4096x2 h32 d128 d2 64 interleaved fp32": ("sbhd", (4096, 2), 32, 0, 128, 64, True, torch.float32),
+    "sbhd 2048x4 h16 d64 d2 32 fp32": ("sbhd", (2048, 4), 16, 0, 64, 32, False, torch.float32),
 }
 # name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
 LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
@@ -98,8 +100,8 @@ def set_limit(name: str, v, base_defines=()) -> None:
     _launch._CACHE.clear()
 
 
-def _randn(*shape):
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+def _randn(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
 def _call(a, b, f, layout, **kw):
@@ -123,7 +125,7 @@ def head_case(case, f):
         else:
             q, k = (_randn(*lead, hq, 128) if hq else None), _randn(*lead, hk, 128)
         calls.append(_call(q, k, f, layout) if hq else _call(k, None, f, layout))
-    return calls, (hq + hk) * math.prod(lead) * 128
+    return calls, (hq + hk) * math.prod(lead) * 128 * 2
 
 
 def _cu_seqlens(t, n):
@@ -143,20 +145,20 @@ def seq_case(case, f):
     for _ in range(SETS):
         q, k = _randn(t, hq, 128), (_randn(t, hk, 128) if hk else None)
         calls.append(_call(q, k, f, "thd", cu_seqlens=cu))
-    return calls, (hq + hk) * t * 128
+    return calls, (hq + hk) * t * 128 * 2
 
 
 def mixed_case(case, _):
     """Calls on SETS input sets of a ``--limit mixed`` case, with its own table (rotary width d2)."""
-    layout, lead, hq, hk, d, d2, il = case
+    layout, lead, hq, hk, d, d2, il, dtype = case + (torch.bfloat16,) * (len(case) == 7)
     rows = lead[0] if layout == "thd" else max(lead)
     f = torch.from_numpy(cupy_rope.rope_freqs(d2, rows, interleaved=il)).cuda().reshape(rows, 1, 1, d2)
     kw = dict(interleaved=il, **({"cu_seqlens": _cu_seqlens(lead[0], 16)} if layout == "thd" else {}))
     calls = []
     for _ in range(SETS):
-        q, k = _randn(*lead, hq, d), (_randn(*lead, hk, d) if hk else None)
+        q, k = _randn(*lead, hq, d, dtype=dtype), (_randn(*lead, hk, d, dtype=dtype) if hk else None)
         calls.append(_call(q, k, f, layout, **kw))
-    return calls, (hq + hk) * math.prod(lead) * d
+    return calls, (hq + hk) * math.prod(lead) * d * dtype.itemsize
 
 
 def main():
@@ -183,8 +185,8 @@ def main():
         f = torch.from_numpy(cupy_rope.rope_freqs(128, rows)).cuda().reshape(rows, 1, 1, 128)
     res = {}
     for name, case in cases.items():
-        calls, elems = make(case, f)
-        nbytes = elems * 2 * 2  # bf16, read and written
+        calls, size = make(case, f)
+        nbytes = 2 * size  # the inputs' bytes, read and written
         src = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
         dst = [torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda") for _ in range(SETS)]
         r = {"kernel": {}, "us": {str(v): [] for v in values}, "copy_us": []}
