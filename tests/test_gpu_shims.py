@@ -417,6 +417,7 @@ def test_rope_qk_gpu_one_tensor_without_heads(xla_launch, empty):
 
     import cupy_rope.jax as crj
     import cupy_rope.torch as crt
+    from fuzz import to_numpy
 
     rng = np.random.default_rng(11)
     fn_ = rng.uniform(-5, 5, (32, 1, 1, 64)).astype(np.float32)
@@ -436,7 +437,6 @@ def test_rope_qk_gpu_one_tensor_without_heads(xla_launch, empty):
             "jax jit": lambda: jax.jit(jfn)(*(jnp.asarray(a) for a in pair), jnp.asarray(fn_)),
         }
         for name, call in calls.items():
-            out = [np.asarray(o.cpu() if isinstance(o, torch.Tensor) else cupy.asnumpy(o)
-                              if isinstance(o, cupy.ndarray) else o) for o in call()]
+            out = [to_numpy(o) for o in call()]
             assert out[1 - side].shape == none.shape, name
             assert_close_to_ref(out[side], ref, full, 64, "float32", f"{name} backward={backward}")
