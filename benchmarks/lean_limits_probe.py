@@ -60,17 +60,18 @@ SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, 
     (16384, 32, 0, 256), (32768, 32, 8, 1024), (65536, 16, 0, 1536)]}
 # --limit mixed; name: (layout, token dims, q heads, k heads (0: q alone), head size, rotary width,
 # interleaved, dtype; thd: 16 sequences)
+BF16, F32 = torch.bfloat16, torch.float32
 MIXED_CASES = {
-    "sbhd 4096x2 h32 d128 d2 64 interleaved (suite row 5)": ("sbhd", (4096, 2), 32, 0, 128, 64, True),
-    "sbhd 4096x2 h32 d128 d2 64": ("sbhd", (4096, 2), 32, 0, 128, 64, False),
-    "bshd 2x4096 h32 d128 d2 32": ("bshd", (2, 4096), 32, 0, 128, 32, False),
-    "bshd 4x2048 h32 d80 d2 32": ("bshd", (4, 2048), 32, 0, 80, 32, False),
-    "bshd 2x8192 h8 d128 d2 64": ("bshd", (2, 8192), 8, 0, 128, 64, False),
-    "sbhd 4096x2 q32+k8 d128 d2 64": ("sbhd", (4096, 2), 32, 8, 128, 64, False),
-    "thd 32768 tokens in 16 seqs h32 d128 d2 64 interleaved": ("thd", (32768,), 32, 0, 128, 64, True),
-    "bshd 2x8192 h8 d128 d2 64 interleaved": ("bshd", (2, 8192), 8, 0, 128, 64, True),
-    "sbhd 4096x2 h32 d128 d2 64 interleaved fp32": ("sbhd", (4096, 2), 32, 0, 128, 64, True, torch.float32),
-    "sbhd 2048x4 h16 d64 d2 32 fp32": ("sbhd", (2048, 4), 16, 0, 64, 32, False, torch.float32),
+    "sbhd 4096x2 h32 d128 d2 64 interleaved (suite row 5)": ("sbhd", (4096, 2), 32, 0, 128, 64, True, BF16),
+    "sbhd 4096x2 h32 d128 d2 64": ("sbhd", (4096, 2), 32, 0, 128, 64, False, BF16),
+    "bshd 2x4096 h32 d128 d2 32": ("bshd", (2, 4096), 32, 0, 128, 32, False, BF16),
+    "bshd 4x2048 h32 d80 d2 32": ("bshd", (4, 2048), 32, 0, 80, 32, False, BF16),
+    "bshd 2x8192 h8 d128 d2 64": ("bshd", (2, 8192), 8, 0, 128, 64, False, BF16),
+    "sbhd 4096x2 q32+k8 d128 d2 64": ("sbhd", (4096, 2), 32, 8, 128, 64, False, BF16),
+    "thd 32768 tokens in 16 seqs h32 d128 d2 64 interleaved": ("thd", (32768,), 32, 0, 128, 64, True, BF16),
+    "bshd 2x8192 h8 d128 d2 64 interleaved": ("bshd", (2, 8192), 8, 0, 128, 64, True, BF16),
+    "sbhd 4096x2 h32 d128 d2 64 interleaved fp32": ("sbhd", (4096, 2), 32, 0, 128, 64, True, F32),
+    "sbhd 2048x4 h16 d64 d2 32 fp32": ("sbhd", (2048, 4), 16, 0, 64, 32, False, F32),
 }
 # name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
 LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
@@ -100,7 +101,7 @@ def set_limit(name: str, v, base_defines=()) -> None:
     _launch._CACHE.clear()
 
 
-def _randn(*shape, dtype=torch.bfloat16):
+def _randn(*shape, dtype=BF16):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
@@ -114,7 +115,7 @@ def _call(a, b, f, layout, **kw):
 
 def head_case(case, f):
     """Calls on SETS input sets of a ``--limit heads`` case: q (None: k alone) and k, contiguous or
-    views of one fused projection."""
+    views of one fused projection; and the bytes of one set's inputs."""
     layout, lead, hq, hk, fused = case
     calls = []
     for _ in range(SETS):
@@ -138,7 +139,7 @@ def _cu_seqlens(t, n):
 
 def seq_case(case, f):
     """Calls on SETS input sets of a ``--limit seqs`` case: thd q (and k) of ``tokens`` tokens in
-    ``n`` sequences of random lengths."""
+    ``n`` sequences of random lengths; and the bytes of one set's inputs."""
     t, hq, hk, n = case
     cu = _cu_seqlens(t, n)
     calls = []
@@ -149,8 +150,9 @@ def seq_case(case, f):
 
 
 def mixed_case(case, _):
-    """Calls on SETS input sets of a ``--limit mixed`` case, with its own table (rotary width d2)."""
-    layout, lead, hq, hk, d, d2, il, dtype = case + (torch.bfloat16,) * (len(case) == 7)
+    """Calls on SETS input sets of a ``--limit mixed`` case, with its own table (rotary width d2),
+    and the bytes of one set's inputs."""
+    layout, lead, hq, hk, d, d2, il, dtype = case
     rows = lead[0] if layout == "thd" else max(lead)
     f = torch.from_numpy(cupy_rope.rope_freqs(d2, rows, interleaved=il)).cuda().reshape(rows, 1, 1, d2)
     kw = dict(interleaved=il, **({"cu_seqlens": _cu_seqlens(lead[0], 16)} if layout == "thd" else {}))
