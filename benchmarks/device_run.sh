@@ -43,8 +43,8 @@ if [[ $MODE == *probe* ]]; then
 fi
 if [[ $MODE == *mixed* ]]; then
   # the mixed kernels' builds (ring depth, register budget) on partial-rotary launches, each build
-  # loaded in turn, outputs compared bit for bit: the old build (depth 2, 64 registers), 64
-  # registers alone, depth 2 alone, the default (benchmarks/NOTES.md, thirty-seventh session)
+  # loaded in turn, outputs compared bit for bit: the old build (depth 2, 64 registers), depth 1
+  # with 64, depth 2 with 80, the default (depth 1, 80) (benchmarks/NOTES.md, 37th session)
   timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/lean_limits_probe.py --limit mixed --json "$OUT/mixed_probe.json" \
     --values="${MIXED_VALUES:--DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4|-DCUPY_ROPEM_MIN_BLOCKS=4|-DCUPY_ROPEM_ASYNC_DEPTH=2|}" 2>&1 | tail -12
 fi
