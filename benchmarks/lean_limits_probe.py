@@ -4,8 +4,9 @@
     python benchmarks/lean_limits_probe.py [--limit heads|seqs|fastseqs|mixed] [--values V,V]
                                            [--rounds 5] [--defines D;D] [--json FILE]
 
-``--limit heads`` (values default 16,8): q+k launches of grouped-query attention (a k of few heads:
-8 down to 1) and tensors of 4-12 heads, sbhd/bshd. ``--limit seqs`` (values default 64,1073741824,
+``--limit heads`` (values default 8,1: the limit before and after the thirty-eighth session): q+k
+launches of grouped-query attention (a k of few heads: 8 down to 1), tensors of 1-12 heads alone,
+sbhd/bshd, and decode steps (one token per sequence). ``--limit seqs`` (values default 64,1073741824,
 i.e. no limit): packed ``thd`` launches of 64 to 65536 sequences (random lengths, fixed seed),
 where each lean thread searches ``cu_seqlens`` for its token's sequence. ``--limit fastseqs``
 (values default 64,2048): the same launches (int32 ``cu_seqlens``, searched in 32 bits) under the
@@ -45,12 +46,20 @@ HEAD_CASES = {
     "bshd q64+k8 1x8192": ("bshd", (1, 8192), 64, 8, False),
     "bshd k8 alone 2x8192": ("bshd", (2, 8192), 0, 8, False),
     "sbhd q12+k12 4096x4": ("sbhd", (4096, 4), 12, 12, False),
-    # fewer than 8 k heads (Qwen2-7B: 28 + 4; multi-query attention: one), for values below 8
+    # fewer than 8 k heads (Qwen2-7B: 28 + 4; multi-query attention: one)
     "sbhd q32+k4 4096x2": ("sbhd", (4096, 2), 32, 4, False),
     "bshd q28+k4 views of a fused projection 2x4096": ("bshd", (2, 4096), 28, 4, True),
     "bshd q32+k2 2x4096": ("bshd", (2, 4096), 32, 2, False),
     "bshd q32+k1 2x4096": ("bshd", (2, 4096), 32, 1, False),
     "bshd k4 alone 2x8192": ("bshd", (2, 8192), 0, 4, False),
+    "bshd k2 alone 2x8192": ("bshd", (2, 8192), 0, 2, False),
+    "bshd k1 alone 4x8192": ("bshd", (4, 8192), 0, 1, False),
+    "bshd q8+k1 8x2048": ("bshd", (8, 2048), 8, 1, False),
+    "bshd q4+k4 4x4096": ("bshd", (4, 4096), 4, 4, False),
+    # decode steps (one token per sequence): a q+k launch of 64 sequences
+    "bshd q32+k8 64x1 decode": ("bshd", (64, 1), 32, 8, False),
+    "bshd q32+k4 64x1 decode": ("bshd", (64, 1), 32, 4, False),
+    "bshd q32+k1 256x1 decode": ("bshd", (256, 1), 32, 1, False),
 }
 # --limit seqs; name: (tokens, q heads, k heads (0: q alone), sequences)
 SEQ_CASES = {f"thd {t} tokens q{hq}{f'+k{hk}' if hk else ''} {n} seqs": (t, hq, hk, n) for t, hq, hk, n in [
@@ -74,7 +83,7 @@ MIXED_CASES = {
     "sbhd 2048x4 h16 d64 d2 32 fp32": ("sbhd", (2048, 4), 16, 0, 64, 32, False, F32),
 }
 # name: (what is varied: a _worksplit constant or DEFINES, default values, their separator)
-LIMITS = {"heads": ("_LEAN_MIN_HEADS", "16,8", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
+LIMITS = {"heads": ("_LEAN_MIN_HEADS", "8,1", ","), "seqs": ("_LEAN_MAX_SEQS", "64,1073741824", ","),
           "fastseqs": ("_LEAN_MAX_FAST_SEQS", "64,2048", ","),
           "mixed": ("DEFINES", "-DCUPY_ROPEM_ASYNC_DEPTH=2;-DCUPY_ROPEM_MIN_BLOCKS=4|", "|")}
 SETS = 6

@@ -96,14 +96,17 @@ _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 # (bshd 2x8192x8x128, 20.9 / 21.7); the one without per-row branches does not: H200, bshd
 # 2x8192x8x128 forward 21.08, 20.82 / 21.06, 20.59; q+k of 32 + 8 heads (GQA: the 8-head k kept the
 # whole launch off the lean kernel) H200 49.0 / 46.3, H100 64.5 / 60.5; 64 + 8 heads H200 86.0 /
-# 79.9; 12 + 12 heads H200 57.7 / 54.0, bit-identical: hence at least _LEAN_MIN_HEADS heads, 8
-# (fewer not measured). Rows with pass-through channels stay on the mixed kernel: a lean variant
+# 79.9; 12 + 12 heads H200 57.7 / 54.0, bit-identical. Fewer heads (H100, thirty-eighth session,
+# medians, streaming / lean, bit-identical): q+k of 32 + 4 heads sbhd 4096x2 58.7 / 54.8, 28 + 4 as
+# views of one projection 52.8 / 49.2, 32 + 2 55.9 / 51.9, 32 + 1 54.4 / 50.7, 8 + 1 31.5 / 29.6,
+# 4 + 4 28.9 / 27.0; k alone of 4 / 2 heads 13.9 / 13.3, 8.9 / 8.6: hence _LEAN_MIN_HEADS is 1, any
+# tensor with heads (the tuning knob stays). Rows with pass-through channels stay on the mixed kernel: a lean variant
 # that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6 against 43.0-43.9
 # (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
 # LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N change them,
 # DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
 _LEAN = True
-_LEAN_MIN_HEADS = 8
+_LEAN_MIN_HEADS = 1
 _LEAN_MAX_SEQS = 64
 _LEAN_MAX_FAST_SEQS = 2048
 _LEAN_MIN_SEQ_TOKENS = 32
@@ -201,7 +204,7 @@ def shares_sincos(vals: dict, vec: int, block: int) -> bool:
 def lean_fits(vals: dict, arrays) -> bool:
     """Whether the lean kernel (``ropel``) runs a rope launch's tensor: its parameter block's
     values ``vals`` (an angle table with contiguous columns, every unit of a row rotated, at least
-    ``_LEAN_MIN_HEADS`` heads and never none: the kernel has no thread without a row, at most
+    ``_LEAN_MIN_HEADS`` heads (1) and never none: the kernel has no thread without a row, at most
     ``_LEAN_MAX_SEQS`` sequences of ``cu_seqlens``, or at most ``_LEAN_MAX_FAST_SEQS`` of
     ``_LEAN_MIN_SEQ_TOKENS`` tokens or more on average where the kernels search ``cu_seqlens`` in
     32 bits: contiguous int32, ``cp_size`` 1) and its ``arrays`` (input, output: every element
