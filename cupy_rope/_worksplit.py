@@ -100,9 +100,9 @@ _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 # medians, streaming / lean, bit-identical): q+k of 32 + 4 heads sbhd 4096x2 58.7 / 54.8, 28 + 4 as
 # views of one projection 52.8 / 49.2, 32 + 2 55.9 / 51.9, 32 + 1 54.4 / 50.7, 8 + 1 31.5 / 29.6,
 # 4 + 4 28.9 / 27.0; k alone of 4 / 2 heads 13.9 / 13.3, 8.9 / 8.6: hence _LEAN_MIN_HEADS is 1, any
-# tensor with heads (the tuning knob stays). Rows with pass-through channels stay on the mixed kernel: a lean variant
-# that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6 against 43.0-43.9
-# (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
+# tensor with heads (the tuning knob stays). Rows with pass-through channels stay on the mixed
+# kernel: a lean variant that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6
+# against 43.0-43.9 (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
 # LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N change them,
 # DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
 _LEAN = True
