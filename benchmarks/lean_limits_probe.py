@@ -135,7 +135,7 @@ def head_case(case, f):
         else:
             q, k = (_randn(*lead, hq, 128) if hq else None), _randn(*lead, hk, 128)
         calls.append(_call(q, k, f, layout) if hq else _call(k, None, f, layout))
-    return calls, (hq + hk) * math.prod(lead) * 128 * 2
+    return calls, (hq + hk) * math.prod(lead) * 128 * BF16.itemsize
 
 
 def _cu_seqlens(t, n):
@@ -155,7 +155,7 @@ def seq_case(case, f):
     for _ in range(SETS):
         q, k = _randn(t, hq, 128), (_randn(t, hk, 128) if hk else None)
         calls.append(_call(q, k, f, "thd", cu_seqlens=cu))
-    return calls, (hq + hk) * t * 128 * 2
+    return calls, (hq + hk) * t * 128 * BF16.itemsize
 
 
 def mixed_case(case, _):

@@ -102,8 +102,8 @@ _TWO_ROW_KINDS = {_abi.COS_SIN32: "rope2c", _abi.COS_SIN_T: "rope2c"}
 # 4 + 4 28.9 / 27.0; k alone of 4 / 2 heads 13.9 / 13.3, 8.9 / 8.6: hence _LEAN_MIN_HEADS is 1, any
 # tensor with heads (the tuning knob stays). Rows with pass-through channels stay on the mixed
 # kernel: a lean variant that copied tail units ran sbhd d2 64 of 128 interleaved at 47.0-47.6
-# against 43.0-43.9 (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1, LEAN_MIN_HEADS=N,
-# LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N change them,
+# against 43.0-43.9 (benchmarks/NOTES.md). Fixed like the constants above; --tune LEAN=0|1,
+# LEAN_MIN_HEADS=N, LEAN_MAX_SEQS=N, LEAN_MAX_FAST_SEQS=N, LEAN_MIN_SEQ_TOKENS=N change them,
 # DEFINES=-DCUPY_ROPE_LEAN_ROWS=N the rows per thread.
 _LEAN = True
 _LEAN_MIN_HEADS = 1
