@@ -10,8 +10,8 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 MODE=${MODE:-all}
 if [[ $MODE == *tests* || $MODE == all ]]; then
-  # TEST_K=gpu: only the tests that skip without a device (1975 of 3816), for a short device
-  # window; the default also runs the rest (on the CPU they pass in CI)
+  # TEST_K=gpu: only the tests that skip without a device, for a short device window; the
+  # default also runs the rest (on the CPU they pass in CI)
   timeout ${TEST_TIMEOUT:-450} python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_gpu.py tests/test_gpu_shims.py \
     tests/test_fuzz.py tests/test_instantiations.py tests/test_docs.py tests/test_positions.py tests/test_torch_ext.py tests/test_launch_cache.py -k "${TEST_K:-gpu or not fuzz}" \
     2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -12
